@@ -85,13 +85,16 @@ class ModelConfig:
             raise ValueError(f"config.json hidden_act={act!r}: only 'silu' is supported")
         if hf.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true: sliding-window attention is not supported")
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise ValueError(f"config.json rope_scaling type {kind!r}: only 'llama3' is supported")
-            rope_scaling = None if kind == "default" else tuple(sorted(
-                (k, v) for k, v in rope_scaling.items() if k != "type"))
+        # transformers >= 5 writes "rope_parameters" (theta inside); older folders "rope_theta" + "rope_scaling".
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("llama3", "default"):
+            raise ValueError(f"config.json rope_scaling type {kind!r}: only 'default' and 'llama3' are supported")
+        rope_scaling = None
+        if kind == "llama3":
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            rope_scaling = tuple((k, rope[k]) for k in keys)
         num_heads = hf["num_attention_heads"]
         is_qwen = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
         eos = hf.get("eos_token_id")
@@ -103,7 +106,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if is_qwen else bool(hf.get("attention_bias", False)),
@@ -148,7 +151,7 @@ class ModelConfig:
         if not qwen:
             out["attention_bias"] = self.qkv_bias
         if self.rope_scaling is not None:
-            out["rope_scaling"] = dict(self.rope_scaling)
+            out["rope_scaling"] = {"rope_type": "llama3", **dict(self.rope_scaling)}
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:

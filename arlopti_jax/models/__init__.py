@@ -1,0 +1,23 @@
+"""The policy model: a Flax Qwen2/Llama decoder, its functional API and HF checkpoint I/O."""
+
+from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models.decoder import Decoder, init_cache, position_ids
+from arlopti_jax.models.policy import (
+    abstract_params,
+    hidden_states,
+    init_params,
+    logits,
+    logprobs_from_hidden,
+    param_logical_specs,
+    param_shardings,
+    token_logprobs,
+    unembed_matrix,
+)
+from arlopti_jax.models.hf import CheckpointError, load_params, load_pretrained, save_pretrained
+
+__all__ = [
+    "ModelConfig", "Decoder", "init_cache", "position_ids", "abstract_params", "hidden_states",
+    "init_params", "logits", "logprobs_from_hidden", "param_logical_specs", "param_shardings",
+    "token_logprobs", "unembed_matrix", "CheckpointError", "load_params", "load_pretrained",
+    "save_pretrained",
+]

@@ -1,0 +1,225 @@
+"""Hugging Face checkpoint folders <-> sharded Flax parameters.
+
+Import reads safetensors with the numpy API (no torch at run time) and builds every
+parameter with ``jax.make_array_from_callback``: each device receives only its own
+shard, read from one layer's tensor at a time, so no full copy of the model is ever
+materialised on one device (or in float32 on the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from arlopti_jax import sharding as shd
+from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models.policy import abstract_params, param_shardings
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "generation_config.json", "chat_template.jinja", "tokenizer.model",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder whose tensors do not match its config."""
+
+
+def _name_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, callable, callable]]:
+    """Our parameter path -> (HF name, HF->ours transform, ours->HF transform).
+
+    Names under ``layers`` contain ``{i}`` for the layer index; their arrays gain a
+    leading layers axis on our side.
+    """
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ident = (lambda w: w, lambda p: p)
+    transpose = (lambda w: w.T, lambda p: p.T)
+
+    def in_proj(heads):
+        return (lambda w: w.T.reshape(d, heads, h), lambda p: p.reshape(d, heads * h).T)
+
+    def bias(heads):
+        return (lambda b: b.reshape(heads, h), lambda p: p.reshape(heads * h))
+
+    pre = "model.layers.{i}."
+    table = {
+        ("embedding",): ("model.embed_tokens.weight", *ident),
+        ("final_norm", "scale"): ("model.norm.weight", *ident),
+        ("layers", "input_norm", "scale"): (pre + "input_layernorm.weight", *ident),
+        ("layers", "post_attn_norm", "scale"): (pre + "post_attention_layernorm.weight", *ident),
+        ("layers", "attn", "q_kernel"): (pre + "self_attn.q_proj.weight", *in_proj(n)),
+        ("layers", "attn", "k_kernel"): (pre + "self_attn.k_proj.weight", *in_proj(k)),
+        ("layers", "attn", "v_kernel"): (pre + "self_attn.v_proj.weight", *in_proj(k)),
+        ("layers", "attn", "o_kernel"): (pre + "self_attn.o_proj.weight",
+                                         lambda w: w.T.reshape(n, h, d), lambda p: p.reshape(n * h, d).T),
+        ("layers", "mlp", "gate_kernel"): (pre + "mlp.gate_proj.weight", *transpose),
+        ("layers", "mlp", "up_kernel"): (pre + "mlp.up_proj.weight", *transpose),
+        ("layers", "mlp", "down_kernel"): (pre + "mlp.down_proj.weight", *transpose),
+    }
+    if cfg.qkv_bias:
+        table[("layers", "attn", "q_bias")] = (pre + "self_attn.q_proj.bias", *bias(n))
+        table[("layers", "attn", "k_bias")] = (pre + "self_attn.k_proj.bias", *bias(k))
+        table[("layers", "attn", "v_bias")] = (pre + "self_attn.v_proj.bias", *bias(k))
+    if not cfg.tie_word_embeddings:
+        table[("lm_head",)] = ("lm_head.weight", *transpose)
+    return table
+
+
+def _hf_names(cfg: ModelConfig, name: str) -> list[str]:
+    return [name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in name else [name]
+
+
+def _tensor_index(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{index}: lists shard files that do not exist: {missing}")
+        return {name: folder / f for name, f in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
+    out = {}
+    for f in files:
+        with safe_open(f, framework="numpy") as st:
+            out.update({name: f for name in st.keys()})
+    return out
+
+
+def _file_shape(path: Path, name: str) -> tuple[int, ...]:
+    with safe_open(path, framework="numpy") as st:
+        return tuple(st.get_slice(name).get_shape())
+
+
+def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES):
+    """Read a checkpoint folder's tensors into sharded arrays of ``cfg.param_dtype``."""
+    folder = Path(folder)
+    where = _tensor_index(folder)
+    table = _name_map(cfg)
+    expected = abstract_params(cfg)
+    shardings = param_shardings(cfg, mesh, rules)
+    dtype = cfg.weight_dtype
+
+    wanted = {hf for name, *_ in table.values() for hf in _hf_names(cfg, name)}
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(wanted - set(where))
+    extra = sorted(n for n in set(where) - wanted - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if extra:
+            parts.append(f"unexpected tensors {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+        raise CheckpointError(f"{folder}: " + "; ".join(parts) + f" (config: {cfg.architecture}, "
+                              f"{cfg.num_layers} layers, tie_word_embeddings={cfg.tie_word_embeddings})")
+
+    @functools.lru_cache(maxsize=4)
+    def read(hf_name: str) -> np.ndarray:
+        with safe_open(where[hf_name], framework="numpy") as st:
+            return st.get_tensor(hf_name)
+
+    def build(path, name, to_ours, from_ours):
+        leaf = functools.reduce(lambda t, key: t[key], path, expected)
+        stacked = "{i}" in name
+        per_layer = leaf.shape[1:] if stacked else leaf.shape
+        want_hf = jax.eval_shape(from_ours, jax.ShapeDtypeStruct(per_layer, np.float32)).shape
+        for hf in _hf_names(cfg, name):
+            got = _file_shape(where[hf], hf)
+            if got != tuple(want_hf):
+                raise CheckpointError(f"{folder}: tensor {hf} has shape {list(got)}, expected {list(want_hf)} "
+                                      f"from config.json")
+
+        def one(hf, idx):
+            return np.asarray(to_ours(read(hf))[idx]).astype(dtype)
+
+        def callback(index):
+            if not stacked:
+                return one(name, index)
+            layers = range(cfg.num_layers)[index[0]]
+            return np.stack([one(name.format(i=i), index[1:]) for i in layers])
+
+        sharding = functools.reduce(lambda t, key: t[key], path, shardings)
+        return jax.make_array_from_callback(leaf.shape, sharding, callback)
+
+    params: dict = {}
+    for path, (name, to_ours, from_ours) in table.items():
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = build(path, name, to_ours, from_ours)
+    return params
+
+
+def load_pretrained(folder: str | Path, mesh=None, rules=shd.DEFAULT_RULES, **config_overrides):
+    """Load ``(ModelConfig, params)`` from a Hugging Face folder onto ``mesh`` (default: all devices, fsdp)."""
+    cfg = ModelConfig.from_pretrained(folder, **config_overrides)
+    mesh = mesh if mesh is not None else shd.make_mesh({"fsdp": -1})
+    return cfg, load_params(folder, cfg, mesh, rules)
+
+
+def _to_host(x) -> np.ndarray:
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def save_pretrained(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                    max_shard_bytes: int = 4 << 30) -> Path:
+    """Write params as a Hugging Face folder (config.json, safetensors, tokenizer files).
+
+    Only process 0 writes; every process must call it (gathering shards is collective).
+    """
+    out = Path(out_dir)
+    tensors: dict[str, np.ndarray] = {}
+    for path, (name, _, from_ours) in _name_map(cfg).items():
+        arr = _to_host(functools.reduce(lambda t, key: t[key], path, params))
+        if "{i}" in name:
+            for i in range(cfg.num_layers):
+                tensors[name.format(i=i)] = np.ascontiguousarray(from_ours(arr[i]))
+        else:
+            tensors[name] = np.ascontiguousarray(from_ours(arr))
+    if jax.process_index() != 0:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for j, shard in enumerate(shards):
+            fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata=meta)
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.nbytes for t in tensors.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    if tokenizer_dir is not None:
+        src = Path(tokenizer_dir)
+        for fname in TOKENIZER_FILES:
+            if (src / fname).is_file() and src.resolve() != out.resolve():
+                shutil.copy2(src / fname, out / fname)
+    log.info("wrote Hugging Face checkpoint to %s (%d tensors, %d files)", out, len(tensors), len(shards))
+    return out

@@ -1,0 +1,115 @@
+"""Functional entry points on a ``(ModelConfig, params)`` policy.
+
+``params`` is the plain (unboxed) parameter tree of :class:`Decoder`; its logical axis
+names come from ``param_logical_specs`` and its shardings from ``param_shardings``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from arlopti_jax import sharding as shd
+from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models.decoder import Decoder, position_ids
+
+Array = jax.Array
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_boxed(cfg: ModelConfig):
+    toks = jnp.zeros((1, 1), jnp.int32)
+    model = Decoder(cfg)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), toks, toks, toks))["params"]
+
+
+def abstract_params(cfg: ModelConfig):
+    """ShapeDtypeStruct tree of the parameters (no allocation)."""
+    return nn.meta.unbox(_abstract_boxed(cfg))
+
+
+def param_logical_specs(cfg: ModelConfig):
+    """Tree of PartitionSpecs naming each parameter dimension logically."""
+    return nn.get_partition_spec(_abstract_boxed(cfg))
+
+
+def param_shardings(cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES):
+    return shd.logical_to_shardings(param_logical_specs(cfg), mesh, rules)
+
+
+def init_params(cfg: ModelConfig, rng: Array, mesh, rules=shd.DEFAULT_RULES):
+    """Randomly initialised parameters, created directly in their shardings."""
+    toks = jnp.zeros((1, 1), jnp.int32)
+    model = Decoder(cfg)
+
+    @functools.partial(jax.jit, out_shardings=param_shardings(cfg, mesh, rules))
+    def init(key):
+        return nn.meta.unbox(model.init(key, toks, toks, toks))["params"]
+
+    return init(rng)
+
+
+def hidden_states(cfg: ModelConfig, params, input_ids: Array, attention_mask: Array) -> Array:
+    """Final-norm hidden states [B, T, D] for a (left- or right-) padded batch."""
+    hidden, _ = Decoder(cfg).apply({"params": params}, input_ids, position_ids(attention_mask), attention_mask)
+    return hidden
+
+
+def unembed_matrix(cfg: ModelConfig, params) -> Array:
+    return params["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def logits(cfg: ModelConfig, params, input_ids: Array, attention_mask: Array) -> Array:
+    """Full float32 logits [B, T, V]. For training use :func:`token_logprobs`, which never
+    holds this tensor."""
+    h = hidden_states(cfg, params, input_ids, attention_mask)
+    return jnp.einsum("btd,dv->btv", h, unembed_matrix(cfg, params).astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def _chunk_logprobs(w: Array, temperature: float, h: Array, targets: Array):
+    logit = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32) / temperature
+    lse = jax.nn.logsumexp(logit, axis=-1)
+    picked = jnp.take_along_axis(logit, targets[..., None], axis=-1)[..., 0]
+    probs = jnp.exp(logit - lse[..., None])
+    entropy = lse - jnp.sum(probs * logit, axis=-1)
+    return picked - lse, entropy
+
+
+def logprobs_from_hidden(w: Array, hidden: Array, input_ids: Array, temperature: float = 1.0,
+                         chunk_size: int = 256) -> tuple[Array, Array]:
+    """log pi(input_ids[:, t] | input_ids[:, :t]) and the entropy of that distribution.
+
+    Returns two float32 [B, T] arrays aligned with ``input_ids`` (column 0 is 0: the
+    first token has no context). The vocabulary projection runs ``chunk_size`` positions
+    at a time under ``jax.checkpoint``, so neither the forward nor the backward pass holds
+    a [B, T, V] tensor.
+    """
+    b, t, d = hidden.shape
+    h, targets = hidden[:, :-1], input_ids[:, 1:]
+    n = t - 1
+    c = max(1, min(chunk_size, n))
+    pad = (-n) % c
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    k = (n + pad) // c
+    h = h.reshape(b, k, c, d).swapaxes(0, 1)
+    targets = targets.reshape(b, k, c).swapaxes(0, 1)
+    body = jax.checkpoint(functools.partial(_chunk_logprobs, w, temperature))
+    lp, ent = jax.lax.map(lambda xs: body(*xs), (h, targets))
+    lp = lp.swapaxes(0, 1).reshape(b, k * c)[:, :n]
+    ent = ent.swapaxes(0, 1).reshape(b, k * c)[:, :n]
+    zero = jnp.zeros((b, 1), jnp.float32)
+    return jnp.concatenate([zero, lp], axis=1), jnp.concatenate([zero, ent], axis=1)
+
+
+def token_logprobs(cfg: ModelConfig, params, input_ids: Array, attention_mask: Array, *,
+                   temperature: float = 1.0, chunk_size: int = 256) -> tuple[Array, Array]:
+    """Per-token log-probs and entropies [B, T] of a batch under the policy (see
+    :func:`logprobs_from_hidden` for alignment). ``temperature`` divides the logits, as
+    the sampler does, so these are the log-probs of the distribution it sampled from."""
+    hidden = hidden_states(cfg, params, input_ids, attention_mask)
+    return logprobs_from_hidden(unembed_matrix(cfg, params), hidden, input_ids, temperature, chunk_size)

@@ -1,0 +1,109 @@
+"""Device mesh, logical axis rules, and the shardings of parameters and batches.
+
+The mesh has three axes:
+  data    pure data parallelism (parameters replicated),
+  fsdp    data parallelism with parameters and optimizer state sharded (ZeRO-3 style),
+  tensor  tensor (Megatron-style) parallelism over heads / mlp / vocab.
+
+Every parameter and constrained activation names its dimensions logically (``embed``,
+``mlp``, ``heads``, ...); ``DEFAULT_RULES`` maps those names to mesh axes. Changing the
+parallel layout is a change of ``mesh_shape`` or of the rules, never of model code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    # parameters
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    # activations
+    ("act_batch", BATCH_AXES),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    # KV cache
+    ("cache_batch", BATCH_AXES),
+    ("cache_length", None),
+)
+
+
+def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Fill in the one ``-1`` axis so the product equals ``num_devices``."""
+    unknown = [a for a in shape if a not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"mesh_shape has unknown axes {unknown}: allowed {list(MESH_AXES)}")
+    sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh_shape: at most one axis may be -1, got {free}")
+    bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+    if bad:
+        raise ValueError(f"mesh_shape: axis sizes must be positive or -1, got {dict(sizes)}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % known:
+            raise ValueError(f"mesh_shape={dict(shape)}: {num_devices} devices are not divisible by {known}")
+        sizes[free[0]] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh_shape={dict(sizes)} needs {math.prod(sizes.values())} devices, have {num_devices}")
+    return sizes
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = resolve_mesh_shape(shape, len(devices))
+    dims = tuple(sizes[a] for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagation, not explicit sharding types
+    if devices == list(jax.devices()):
+        return jax.make_mesh(dims, MESH_AXES, axis_types=auto, devices=devices)
+    return Mesh(np.asarray(devices).reshape(dims), MESH_AXES, axis_types=auto)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules=DEFAULT_RULES):
+    """Mesh and logical rules for tracing: activation constraints take effect inside."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def logical_to_shardings(logical_specs, mesh: Mesh, rules=DEFAULT_RULES):
+    """Map a tree of logical PartitionSpecs to NamedShardings on ``mesh``."""
+    return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Leading (batch) dimension over data x fsdp; the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_divisor(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def describe(tree) -> dict[str, str]:
+    """Flat {path: sharding spec} of a tree of arrays, for logs and tests."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(k): str(getattr(v.sharding, "spec", v.sharding)) for k, v in flat}

@@ -1,0 +1,160 @@
+"""Parity of the Flax decoder with transformers, checkpoint round trips, corrupt checkpoints."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from arlopti_jax import sharding as shd
+from arlopti_jax.models import (CheckpointError, ModelConfig, load_pretrained, logits, save_pretrained,
+                                token_logprobs)
+from hf_fixtures import hf_logits, padded_batch, write_hf_model
+
+VARIANTS = [("qwen2", False), ("qwen2", True), ("llama", False)]
+
+
+def _single_mesh():
+    return shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-{'tied' if v[1] else 'untied'}")
+def hf_folder(request, tmp_path_factory):
+    kind, tied = request.param
+    return write_hf_model(tmp_path_factory.mktemp(f"{kind}{tied}") / "ckpt", kind=kind, tied=tied)
+
+
+def test_logits_match_transformers_with_padding(hf_folder):
+    ids, mask = padded_batch()
+    cfg, params = load_pretrained(hf_folder, mesh=_single_mesh())
+    ours = np.asarray(logits(cfg, params, jnp.asarray(ids), jnp.asarray(mask)))
+    ref = hf_logits(hf_folder, ids, mask)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-4, rtol=0)
+
+
+def test_export_reload_in_transformers_gives_same_logits(hf_folder, tmp_path):
+    ids, mask = padded_batch(seed=1)
+    cfg, params = load_pretrained(hf_folder, mesh=_single_mesh())
+    out = save_pretrained(cfg, params, tmp_path / "export", tokenizer_dir=hf_folder)
+    ref = hf_logits(hf_folder, ids, mask)
+    again = hf_logits(out, ids, mask)
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(again[valid], ref[valid])
+    # and the exported folder loads back into Flax bit-identically
+    cfg2, params2 = load_pretrained(out, mesh=_single_mesh())
+    assert cfg2 == cfg
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
+
+
+def test_bf16_import_casts_per_request(tmp_path):
+    folder = write_hf_model(tmp_path / "bf16", dtype="bfloat16")
+    cfg, params = load_pretrained(folder, mesh=_single_mesh(), param_dtype="bfloat16", dtype="bfloat16")
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params))
+    ids, mask = padded_batch()
+    ours = np.asarray(logits(cfg, params, jnp.asarray(ids), jnp.asarray(mask)))
+    ref = hf_logits(folder, ids, mask)
+    valid = mask.astype(bool)
+    rel = np.linalg.norm(ours[valid] - ref[valid]) / np.linalg.norm(ref[valid])
+    assert rel < 2e-2, rel
+
+
+def test_sharded_index_files_load(tmp_path):
+    src = write_hf_model(tmp_path / "src")
+    cfg, params = load_pretrained(src, mesh=_single_mesh())
+    out = save_pretrained(cfg, params, tmp_path / "sharded", max_shard_bytes=20_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("model-*.safetensors"))) > 2
+    ids, mask = padded_batch()
+    np.testing.assert_array_equal(hf_logits(out, ids, mask)[mask.astype(bool)],
+                                  hf_logits(src, ids, mask)[mask.astype(bool)])
+
+
+def test_token_logprobs_equal_naive_log_softmax(hf_folder):
+    ids, mask = padded_batch(seed=2, length=23)
+    cfg, params = load_pretrained(hf_folder, mesh=_single_mesh())
+    full = np.asarray(logits(cfg, params, jnp.asarray(ids), jnp.asarray(mask)), np.float64) / 0.7
+    logz = np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1)) + full.max(-1)
+    logp_all = full - logz[..., None]
+    want_lp = np.take_along_axis(logp_all[:, :-1], ids[:, 1:, None], -1)[..., 0]
+    want_ent = -(np.exp(logp_all) * logp_all).sum(-1)[:, :-1]
+    for chunk in (1, 5, 256):  # chunks that do and do not divide the length
+        lp, ent = token_logprobs(cfg, params, jnp.asarray(ids), jnp.asarray(mask), temperature=0.7,
+                                 chunk_size=chunk)
+        np.testing.assert_allclose(np.asarray(lp)[:, 1:], want_lp, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ent)[:, 1:], want_ent, atol=1e-5)
+        assert np.all(np.asarray(lp)[:, 0] == 0)
+
+
+def test_token_logprobs_gradient_matches_naive(tmp_path):
+    folder = write_hf_model(tmp_path / "g")
+    cfg, params = load_pretrained(folder, mesh=_single_mesh())
+    ids, mask = padded_batch(seed=3, length=10)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+
+    def chunked(p):
+        lp, ent = token_logprobs(cfg, p, ids, mask, chunk_size=3)
+        return jnp.sum(lp * mask) + 0.1 * jnp.sum(ent * mask)
+
+    def naive(p):
+        lg = jax.nn.log_softmax(logits(cfg, p, ids, mask), -1)
+        lp = jnp.take_along_axis(lg[:, :-1], ids[:, 1:, None], -1)[..., 0]
+        ent = -jnp.sum(jnp.exp(lg) * lg, -1)[:, :-1]
+        return jnp.sum(lp * mask[:, 1:]) + 0.1 * jnp.sum(ent * mask[:, 1:])
+
+    g1, g2 = jax.grad(chunked)(params), jax.grad(naive)(params)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), g1, g2)
+
+
+# ---- corrupt and mismatched checkpoints ----
+
+def _rewrite(folder, fn):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    folder = write_hf_model(tmp_path / "m")
+    _rewrite(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]"):
+        load_pretrained(folder, mesh=_single_mesh())
+
+
+def test_extra_tensor_is_named(tmp_path):
+    folder = write_hf_model(tmp_path / "e")
+    _rewrite(folder, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": np.zeros((96, 64), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \['model.layers.2.mlp.up_proj.weight'\]"):
+        load_pretrained(folder, mesh=_single_mesh())
+
+
+def test_misshaped_tensor_names_both_shapes(tmp_path):
+    folder = write_hf_model(tmp_path / "s")
+    _rewrite(folder, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((16, 64), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.k_proj.weight has shape \[16, 64\], "
+                                              r"expected \[32, 64\]"):
+        load_pretrained(folder, mesh=_single_mesh())
+
+
+def test_index_pointing_at_missing_shard(tmp_path):
+    folder = write_hf_model(tmp_path / "i")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        load_pretrained(folder, mesh=_single_mesh())
+
+
+def test_unsupported_architecture_and_values(tmp_path):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"]})
+    folder = write_hf_model(tmp_path / "u")
+    cfg = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        ModelConfig.from_hf_dict({**cfg, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        ModelConfig.from_hf_dict({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_pretrained(tmp_path / "nowhere")
