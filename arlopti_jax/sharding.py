@@ -85,9 +85,26 @@ def activate(mesh: Mesh, rules=DEFAULT_RULES):
         yield
 
 
-def logical_to_shardings(logical_specs, mesh: Mesh, rules=DEFAULT_RULES):
-    """Map a tree of logical PartitionSpecs to NamedShardings on ``mesh``."""
-    return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+def logical_to_shardings(logical_specs, mesh: Mesh, rules=DEFAULT_RULES, shapes=None):
+    """Map a tree of logical PartitionSpecs to NamedShardings on ``mesh``.
+
+    With ``shapes`` (a matching tree of arrays or ShapeDtypeStructs), a dimension that its
+    mesh axes do not divide (kv_heads=2 over tensor=4, an odd vocabulary) is replicated
+    instead, so any layout runs; the rest of the tensor stays sharded.
+    """
+    shardings = nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+    if shapes is None:
+        return shardings
+    return jax.tree_util.tree_map(lambda sh, x: _fit(sh, x.shape), shardings, shapes)
+
+
+def _fit(sharding: NamedSharding, shape) -> NamedSharding:
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for i, axes in enumerate(spec):
+        names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+        if shape[i] % math.prod(sharding.mesh.shape[a] for a in names):
+            spec[i] = None
+    return NamedSharding(sharding.mesh, P(*spec))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

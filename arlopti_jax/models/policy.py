@@ -37,7 +37,7 @@ def param_logical_specs(cfg: ModelConfig):
 
 
 def param_shardings(cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES):
-    return shd.logical_to_shardings(param_logical_specs(cfg), mesh, rules)
+    return shd.logical_to_shardings(param_logical_specs(cfg), mesh, rules, shapes=abstract_params(cfg))
 
 
 def init_params(cfg: ModelConfig, rng: Array, mesh, rules=shd.DEFAULT_RULES):
