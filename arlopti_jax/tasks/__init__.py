@@ -1,0 +1,12 @@
+"""Tasks: K&K puzzles and reward, math reward, reward routing, prompt datasets.
+
+    from arlopti_jax.tasks import compute_score, load_reward_fn, score_batch
+    from arlopti_jax.tasks.data import PromptDataset, BatchIterator
+
+Modules: kk_puzzles (logic, solver, generator), kk (rows, parquet, CLI), kk_reward,
+math_reward, registry (routing, batched scoring), workers (sandbox processes), data.
+"""
+
+from arlopti_jax.tasks.registry import compute_score, load_reward_fn, score_batch
+
+__all__ = ["compute_score", "load_reward_fn", "score_batch"]

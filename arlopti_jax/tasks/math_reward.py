@@ -1,0 +1,221 @@
+"""Math reward (DeepScaleR scheme): 1.0 when the final boxed answer is right, else 0.0.
+
+    response = text after the last '<|im_start|>assistant' (if any), then after the
+               last '</think>' (if any)
+    answer   = content of the last \\boxed{...} or \\fbox{...} (balanced braces)
+    correct  = normalised strings equal, or math-verify finds them equivalent
+
+Model output is untrusted. It never reaches eval/exec:
+  * sympy's sympify/parse_expr evaluate Python, so they are never called on model
+    text. math-verify's `parse` calls parse_expr only for its ExprExtractionConfig
+    (plain-text expressions); we parse with LatexExtractionConfig alone, whose path
+    (latex2sympy2_extended's grammar) builds sympy objects without evaluating text.
+  * `is_safe_answer` rejects, before any parsing, answers longer than
+    MAX_ANSWER_CHARS, nested deeper than MAX_BRACE_DEPTH, or holding Python-like
+    tokens ('__', 'import', 'lambda', 'eval', ...).
+Grading can still be slow (sympy expanding 9^{9^{9^9}} never returns, and signal-based
+timeouts cannot interrupt it), so math-verify runs in a worker process with a hard
+deadline (`workers.WorkerPool`), killed on overrun; the answer then scores 0.0.
+Inside a worker process (batched scoring) it runs in place: that process is already
+the sandbox, and the batch scorer enforces the deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from arlopti_jax.tasks import workers
+
+ASSISTANT_MARKER = "<|im_start|>assistant"
+DEFAULT_TIMEOUT_S = 5.0
+MAX_ANSWER_CHARS = 1000
+MAX_BRACE_DEPTH = 20
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_UNSAFE = re.compile(
+    r"__|\b(?:import|lambda|eval|exec|compile|getattr|setattr|delattr|globals|locals|"
+    r"vars|builtins|subprocess|breakpoint|input)\b|\b(?:os|sys)\s*\.|\b(?:open|system)\s*\("
+)
+
+
+# ---------------------------------------------------------------- extraction
+def final_response(solution_str: str) -> str:
+    """The text graded: after the assistant marker, then after '</think>' when present."""
+    text = solution_str.rpartition(ASSISTANT_MARKER)[2]
+    return text.rpartition("</think>")[2]
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} / \\fbox{...}, or None (absent, unbalanced, too long).
+
+    Braces are matched with escapes (\\{ \\}) skipped; the scan stops after
+    MAX_ANSWER_CHARS, so its cost is bounded whatever the text.
+    """
+    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    cmd = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
+    i = start + len(cmd)
+    rest = text[i : i + MAX_ANSWER_CHARS + 2]
+    stripped = rest.lstrip()
+    if not stripped:
+        return None
+    if stripped[0] != "{":
+        if rest[:1] != " ":  # e.g. '\boxedfoo' is another command
+            return None
+        m = re.match(r"[^\s$]+", stripped)  # '\boxed 5' form
+        return m.group(0) if m else None
+    depth, j = 0, len(rest) - len(stripped)
+    while j < len(rest):
+        c = rest[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return rest[len(rest) - len(stripped) + 1 : j]
+        j += 1
+    return None
+
+
+def brace_depth(s: str) -> int:
+    depth = deepest = 0
+    for c in s:
+        if c in "{([":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "})]":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def is_safe_answer(s: str) -> bool:
+    """Whether an answer may be handed to the LaTeX parser at all."""
+    return (
+        len(s) <= MAX_ANSWER_CHARS
+        and all(c.isprintable() or c in "\n\t" for c in s)
+        and brace_depth(s) <= MAX_BRACE_DEPTH
+        and _UNSAFE.search(s) is None
+    )
+
+
+# ---------------------------------------------------------------- string match
+_TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_SIZING = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])")
+_DROP = ("\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\ ",
+         "^\\circ", "^{\\circ}", "\\%", "%", "$")  # fmt: skip
+
+
+def normalize_answer(s: str) -> str:
+    """A canonical string for exact comparison: LaTeX spacing and wrappers removed,
+    dfrac/tfrac -> frac, '\\frac12' -> '\\frac{1}{2}', 'x=' prefix, thousands
+    separators and trailing decimal zeros dropped ('142.0' -> '142', '.5' -> '0.5')."""
+    s = _SIZING.sub("", _TEXT_WRAPPERS.sub(r"\1", s.strip()))
+    for token in _DROP:
+        s = s.replace(token, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"^[a-zA-Z]=", "", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt(\d+)", r"\\sqrt{\1}", s)
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    if re.fullmatch(r"-?\d*\.\d+", s):
+        s = s.rstrip("0").rstrip(".")
+        s = re.sub(r"^(-?)\.", r"\g<1>0.", s)
+    return s
+
+
+def ground_truth_strings(ground_truth: Any) -> list[str]:
+    """Ground truth as answer strings: str as is, 142.0 -> '142', 0.5 -> '0.5', lists flattened."""
+    if isinstance(ground_truth, bool) or ground_truth is None:
+        raise TypeError(f"math ground truth must be a string or number, got {ground_truth!r}")
+    if isinstance(ground_truth, (list, tuple)):
+        return [g for item in ground_truth for g in ground_truth_strings(item)]
+    if isinstance(ground_truth, int):
+        return [str(ground_truth)]
+    if isinstance(ground_truth, float):
+        if not math.isfinite(ground_truth):
+            raise ValueError(f"math ground truth is not finite: {ground_truth!r}")
+        return [str(int(ground_truth)) if ground_truth.is_integer() else repr(ground_truth)]
+    if isinstance(ground_truth, str):
+        boxed = last_boxed(ground_truth) if ground_truth.lstrip().startswith(_BOX_COMMANDS) else None
+        return [boxed if boxed is not None else ground_truth.strip()]
+    raise TypeError(f"math ground truth must be a string or number, got {type(ground_truth).__name__}")
+
+
+# ---------------------------------------------------------------- symbolic match
+def warm_up() -> None:
+    """Import math-verify and build its parser once (run in each new worker)."""
+    _math_verify_equal("1", ["1"], timeout_s=DEFAULT_TIMEOUT_S)
+
+
+def _math_verify_equal(answer: str, truths: Sequence[str], timeout_s: float) -> bool:
+    """math-verify on LaTeX only. Runs in a worker process (see module docstring)."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    # math-verify's own limits use SIGALRM, which works only on the main thread.
+    limit = max(1, math.ceil(timeout_s)) if threading.current_thread() is threading.main_thread() else None
+    config = [LatexExtractionConfig(boxed_match_priority=0)]
+    predicted = parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=limit)
+    if not predicted:
+        return False
+    for truth in truths:
+        gold = parse("\\boxed{" + truth + "}", extraction_config=config, parsing_timeout=limit)
+        if gold and verify(gold, predicted, timeout_seconds=limit):
+            return True
+    return False
+
+
+_sandbox: workers.WorkerPool | None = None
+_sandbox_lock = threading.Lock()
+
+
+def _get_sandbox() -> workers.WorkerPool:
+    global _sandbox
+    with _sandbox_lock:
+        if _sandbox is None:
+            _sandbox = workers.WorkerPool(
+                1, preload=("arlopti_jax.tasks.math_reward:warm_up",), start_timeout_s=120.0
+            )
+            atexit.register(_sandbox.close)
+        return _sandbox
+
+
+def answers_match(answer: str, truths: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """String match, then math-verify under a hard time limit; unsafe answers never match."""
+    if not answer.strip() or not is_safe_answer(answer):
+        return False
+    normalized = normalize_answer(answer)
+    if normalized and any(normalized == normalize_answer(t) for t in truths):
+        return True
+    truths = [t for t in truths if is_safe_answer(t)]
+    if not truths:
+        return False
+    if workers.in_worker():
+        try:
+            return _math_verify_equal(answer, truths, timeout_s)
+        except Exception:
+            return False
+    result = _get_sandbox().map(_math_verify_equal, [(answer, truths, timeout_s)], timeout_s, False)
+    return bool(result[0])
+
+
+def compute_math_score(
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Any = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> float:
+    """1.0 if the last boxed answer of the response matches the ground truth, else 0.0."""
+    answer = last_boxed(final_response(solution_str))
+    if answer is None:
+        return 0.0
+    return 1.0 if answers_match(answer, ground_truth_strings(ground_truth), timeout_s) else 0.0

@@ -1,0 +1,168 @@
+"""Reward functions by data source, user reward functions, and batched scoring.
+
+verl's convention: a reward function is
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float
+
+where solution_str is the decoded prompt and response together. The built-in
+`compute_score` routes on data_source:
+
+    kk_logic*                                      -> kk_reward.compute_kk_score
+    aime_dsr, amc_dsr, math_dsr, deepscaler        -> math_reward.compute_math_score
+
+`load_reward_fn(spec)` returns that router for spec None, or the function named by a
+'package.module:function' import path.
+
+`score_batch` scores many responses in parallel worker processes (workers.WorkerPool,
+spawn/forkserver, safe with JAX in the parent) with a per-item time limit; an item
+that raises, overruns or returns a non-finite value gets `failure_score`. Batches
+smaller than `inline_below` are scored in this process (the built-in rewards bound
+their own time there: math grading runs in its own sandbox process). Pools are kept
+between calls and shut down at exit (`shutdown_pools`). Spawned workers import the
+parent's __main__ module, so a script that scores in parallel needs the usual
+`if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from arlopti_jax.tasks.kk_reward import compute_kk_score
+from arlopti_jax.tasks.math_reward import compute_math_score
+from arlopti_jax.tasks.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float]
+KK_PREFIX = "kk_logic"
+MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler")
+DEFAULT_TIMEOUT_S = 10.0
+_WORKER_PRELOAD = ("arlopti_jax.tasks.registry", "arlopti_jax.tasks.math_reward:warm_up")
+
+
+def reward_for(data_source: str) -> Callable[[str, Any, Any], float]:
+    """The built-in reward for a data source; ValueError naming it when there is none."""
+    if data_source.startswith(KK_PREFIX):
+        return compute_kk_score
+    if data_source in MATH_DATA_SOURCES:
+        return compute_math_score
+    raise ValueError(
+        f"no reward function for data_source {data_source!r}: built-in sources are "
+        f"'{KK_PREFIX}*' and {', '.join(MATH_DATA_SOURCES)}; pass a custom reward "
+        "function as 'module:function'"
+    )
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
+) -> float:
+    """The built-in reward router (see the module docstring)."""
+    return float(reward_for(data_source)(solution_str, ground_truth, extra_info))
+
+
+def load_reward_fn(spec: str | None = None) -> RewardFn:
+    """None -> compute_score; 'package.module:function' -> that function."""
+    if spec is None:
+        return compute_score
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        raise ValueError(f"reward function spec must look like 'package.module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"cannot import module {module_name!r} of reward spec {spec!r}: {e}") from e
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise AttributeError(f"reward spec {spec!r}: {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"reward spec {spec!r} names a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _as_score(value: Any, failure_score: float) -> float:
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        return failure_score
+    return score if math.isfinite(score) else failure_score
+
+
+_pools: dict[tuple[int, str], WorkerPool] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(num_workers: int, mp_context: str) -> WorkerPool:
+    with _pools_lock:
+        key = (num_workers, mp_context)
+        if key not in _pools:
+            _pools[key] = WorkerPool(num_workers, mp_context=mp_context, preload=_WORKER_PRELOAD)
+        return _pools[key]
+
+
+def shutdown_pools() -> None:
+    """Stop the worker processes kept by score_batch."""
+    with _pools_lock:
+        for pool in _pools.values():
+            pool.close()
+        _pools.clear()
+
+
+atexit.register(shutdown_pools)
+
+
+def default_num_workers() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
+def score_batch(
+    fn: RewardFn,
+    data_sources: Sequence[str],
+    solution_strs: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[Any] | None = None,
+    num_workers: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    failure_score: float = 0.0,
+    inline_below: int = 8,
+    mp_context: str = "spawn",
+) -> list[float]:
+    """fn(data_source, solution_str, ground_truth, extra_info) for every item, as floats.
+
+    Items are scored in `num_workers` processes (default: cpu count - 1, at most 8),
+    each call limited to `timeout_s` seconds; an item that raises, overruns (its
+    worker is killed and replaced) or returns a non-number scores `failure_score`.
+    Fewer than `inline_below` items, or num_workers=0, are scored in this process.
+    """
+    n = len(solution_strs)
+    extra_infos = [None] * n if extra_infos is None else list(extra_infos)
+    if not len(data_sources) == len(ground_truths) == len(extra_infos) == n:
+        raise ValueError(
+            "score_batch needs equally long inputs, got "
+            f"{len(data_sources)} data_sources, {n} solution_strs, "
+            f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos"
+        )
+    if fn is compute_score:  # an unknown source is a set-up error, not a zero reward
+        for source in set(data_sources):
+            reward_for(source)
+    items = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
+    num_workers = default_num_workers() if num_workers is None else num_workers
+    if num_workers == 0 or n < inline_below:
+        scores = []
+        for i, args in enumerate(items):
+            try:
+                scores.append(_as_score(fn(*args), failure_score))
+            except Exception as e:
+                log.warning("reward raised on item %d (data_source %r): %s", i, args[0], e)
+                scores.append(failure_score)
+        return scores
+    raw = _pool(num_workers, mp_context).map(fn, items, timeout_s, failure_value=failure_score)
+    return [_as_score(v, failure_score) for v in raw]

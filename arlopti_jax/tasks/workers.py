@@ -1,0 +1,237 @@
+"""Worker processes that run functions on untrusted input under a hard time limit.
+
+Rewards grade model output, which may be pathological (a 10^6-character answer, a
+power tower that sympy tries to expand). `WorkerPool.map` runs each call in a
+separate process and kills the process when the call overruns its deadline; the
+call then yields `failure_value` and a fresh worker replaces the killed one.
+
+Workers are started with the 'spawn' (default) or 'forkserver' method, never 'fork':
+forking a parent that has started JAX's threads can deadlock the child. A spawned
+worker starts a new interpreter and imports only what its job needs (its function's
+module and `preload`), so JAX is not initialised there.
+
+    pool = WorkerPool(num_workers=4)
+    scores = pool.map(fn, [(a, b), (c, d)], timeout_s=10.0, failure_value=0.0)
+    pool.close()
+
+Inside a worker, `in_worker()` is True; code that would otherwise hand work to a
+sandbox (math grading) runs directly there, since the worker is the sandbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+START_METHODS = ("spawn", "forkserver")
+_READY = "ready"
+_IN_WORKER = False
+
+
+def in_worker() -> bool:
+    """True inside a WorkerPool process."""
+    return _IN_WORKER
+
+
+def _run_preload(preload: Sequence[str]) -> None:
+    """Import 'module' entries; call 'module:function' entries (warm-ups)."""
+    for entry in preload:
+        module, _, func = entry.partition(":")
+        mod = importlib.import_module(module)
+        if func:
+            getattr(mod, func)()
+
+
+def _worker_main(conn: mp.connection.Connection, preload: Sequence[str]) -> None:
+    global _IN_WORKER
+    _IN_WORKER = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _run_preload(preload)
+    conn.send(_READY)
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            job = pickle.loads(data)
+            if job is None:
+                return
+            fn, args = job
+            reply = (True, fn(*args))
+        except Exception as e:  # reported to the parent; the worker keeps serving
+            reply = (False, f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except Exception as e:
+            conn.send((False, f"result could not be sent back: {type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx, preload: Sequence[str], start_timeout_s: float):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, tuple(preload)), daemon=True, name="arlopti-worker"
+        )
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.start_deadline = time.monotonic() + start_timeout_s
+        self.job: tuple[int, float] | None = None  # (item index, deadline)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+class WorkerPool:
+    """A fixed number of worker processes with per-call deadlines (see module docstring)."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        mp_context: str = "spawn",
+        preload: Sequence[str] = (),
+        start_timeout_s: float = 120.0,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if mp_context not in START_METHODS:
+            raise ValueError(f"mp_context must be one of {START_METHODS}, got {mp_context!r}")
+        self._ctx = mp.get_context(mp_context)
+        self._num_workers = num_workers
+        self._preload = tuple(preload)
+        self._start_timeout_s = start_timeout_s
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self.killed = 0  # workers killed for overrunning, over the pool's life
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self._preload, self._start_timeout_s)
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        arg_tuples: Sequence[tuple],
+        timeout_s: float,
+        failure_value: Any = None,
+    ) -> list[Any]:
+        """fn(*args) for each args, in order; failure_value where a call raised or overran."""
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise TypeError(
+                f"{fn!r} cannot be sent to a worker process ({e}); "
+                "use a module-level function (importable as 'module:function')"
+            ) from e
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        with self._lock:
+            try:
+                return self._map(fn, list(arg_tuples), timeout_s, failure_value)
+            except BaseException:
+                # Busy workers would answer into the next call: drop them.
+                for w in [w for w in self._workers if w.job]:
+                    w.kill()
+                    self._workers.remove(w)
+                raise
+
+    def _map(self, fn, arg_tuples, timeout_s, failure_value):
+        results = [failure_value] * len(arg_tuples)
+        pending = collections.deque(range(len(arg_tuples)))
+        while len(self._workers) < self._num_workers:
+            self._workers.append(self._new_worker())
+        failures = 0
+        while pending or any(w.job for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.job is None and pending:
+                    i = pending.popleft()
+                    try:
+                        payload = pickle.dumps((fn, arg_tuples[i]))
+                    except Exception as e:
+                        log.warning("item %d cannot be pickled for a worker: %s", i, e)
+                        failures += 1
+                        continue
+                    try:
+                        w.conn.send_bytes(payload)
+                    except OSError:  # the idle worker has died; retry the item on another
+                        pending.appendleft(i)
+                        self._replace(w)
+                        continue
+                    w.job = (i, time.monotonic() + timeout_s)
+            waiting = [w for w in self._workers if w.job or not w.ready]
+            deadline = min(w.job[1] if w.job else w.start_deadline for w in waiting)
+            by_conn = {w.conn: w for w in waiting}
+            wait_s = max(0.0, deadline - time.monotonic())
+            for conn in mp.connection.wait(list(by_conn), timeout=wait_s):
+                w = by_conn[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                if not w.ready:
+                    if msg != _READY:
+                        code = w.proc.exitcode
+                        self._replace(w)
+                        raise RuntimeError(f"worker process failed to start (exit code {code})")
+                    w.ready = True
+                    continue
+                i, w.job = w.job[0], None
+                if msg is None:  # the worker died mid-call (crash, out of memory)
+                    log.warning("worker died while running item %d", i)
+                    failures += 1
+                    self._replace(w)
+                elif msg[0]:
+                    results[i] = msg[1]
+                else:
+                    log.warning("item %d raised in a worker: %s", i, msg[1])
+                    failures += 1
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.job and now >= w.job[1]:
+                    log.warning("item %d overran its %.1fs limit; killing its worker", w.job[0], timeout_s)
+                    failures += 1
+                    self.killed += 1
+                    self._replace(w)
+                elif not w.ready and now >= w.start_deadline:
+                    self._replace(w)
+                    raise RuntimeError(f"worker process did not start within {self._start_timeout_s}s")
+        if failures:
+            log.info("%d of %d items got the failure value", failures, len(arg_tuples))
+        return results
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers[self._workers.index(w)] = self._new_worker()
+
+    def close(self) -> None:
+        with self._lock:
+            for w in self._workers:
+                try:
+                    w.conn.send_bytes(pickle.dumps(None))
+                except OSError:
+                    pass
+            for w in self._workers:
+                w.proc.join(timeout=2)
+                w.kill()
+            self._workers = []
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
