@@ -1,0 +1,255 @@
+"""Prompt datasets: parquet/jsonl files -> tokenized prompts -> shuffled batches.
+
+    rows = load_rows(paths)                      # list of dicts, one per row
+    ds = PromptDataset(paths, tokenizer, max_prompt_length=400)
+    ds[i] -> {'prompt_ids': list[int], 'prompt_text': str, 'data_source': str,
+              'ground_truth': Any, 'extra_info': dict, 'source': str, 'row': int}
+    it = BatchIterator(ds, batch_size=64, seed=42)   # drop_last=True
+    batch = next(it)                             # list of ds rows
+    state = it.state_dict(); it2.load_state_dict(state)  # resumes exactly
+
+Paths: a file (*.parquet, *.jsonl), a folder (its *.parquet and *.jsonl files, not
+recursive, sorted by name) or a list of these. Files are read with Hugging Face
+`datasets` (`load_dataset('parquet'|'json', data_files=...)`), each on its own, so
+files of different schemas (K&K and math) mix freely. Rows need the columns `prompt`
+(or `prompt_key`), `data_source` and `reward_model.ground_truth`; a missing or null
+one raises ValueError naming the file, the row index and the column. Ground truths
+keep their Python type (string, float such as amc's 142.0, dict for K&K, ...).
+
+Prompt styles (per row with prompt_style='auto'):
+  template  the prompt is a string, or one message whose content already holds the
+            chat template (it contains '<|im_start|>assistant'), as in the public K&K
+            files: that text is tokenized as-is.
+  messages  a list of chat messages: the tokenizer's chat template is applied with
+            add_generation_prompt=True.
+Token ids come from `tokenizer(text, add_special_tokens=False)`: the text already
+holds every special token it needs.
+
+Prompts longer than `max_prompt_length` tokens are dropped and reported (a log line
+with the total and one per file; `PromptDataset.dropped` maps file -> count).
+
+BatchIterator shuffles each epoch with numpy's default_rng(seed + epoch), yields
+lists of rows and moves on to the next epoch by itself; its position is the dict
+{'epoch', 'index'} (plus the settings it must be restored with).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json"}
+EMBEDDED_TEMPLATE_MARKER = "<|im_start|>assistant"
+PROMPT_STYLES = ("auto", "template", "messages")
+PathLike = str | Path
+
+
+def resolve_data_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
+    """Files named by `paths` (files, folders, or a list of them), in order."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.suffix in DATA_SUFFIXES and f.is_file())
+            if not found:
+                raise FileNotFoundError(f"no *.parquet or *.jsonl files in folder {p}")
+            files += found
+        elif p.is_file():
+            if p.suffix not in DATA_SUFFIXES:
+                raise ValueError(f"{p}: unsupported data file type (expected .parquet or .jsonl)")
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"data path does not exist: {p}")
+    if not files:
+        raise ValueError("no data paths given")
+    return files
+
+
+def _read_file(path: Path, cache_dir: str | None) -> list[dict]:
+    import datasets
+
+    ds = datasets.load_dataset(
+        DATA_SUFFIXES[path.suffix], data_files=str(path), split="train", cache_dir=cache_dir
+    )
+    return ds.to_list()
+
+
+def _required(row: dict, column: str, path: Path, index: int) -> Any:
+    value: Any = row
+    for part in column.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            raise ValueError(f"{path}: row {index}: missing column {column!r}")
+    return value
+
+
+def load_rows(
+    paths: PathLike | Sequence[PathLike], *, prompt_key: str = "prompt", cache_dir: str | None = None
+) -> list[dict]:
+    """Rows as {'prompt', 'data_source', 'ground_truth', 'extra_info', 'source', 'row'}."""
+    rows = []
+    for path in resolve_data_files(paths):
+        raw = _read_file(path, cache_dir)
+        if not raw:
+            log.warning("%s: no rows", path)
+        for i, r in enumerate(raw):
+            extra = r.get("extra_info")
+            rows.append({
+                "prompt": _required(r, prompt_key, path, i),
+                "data_source": str(_required(r, "data_source", path, i)),
+                "ground_truth": _required(r, "reward_model.ground_truth", path, i),
+                "extra_info": extra if isinstance(extra, dict) else {},
+                "source": str(path),
+                "row": i,
+            })  # fmt: skip
+    return rows
+
+
+def render_prompt(prompt: Any, tokenizer: Any, prompt_style: str = "auto") -> str:
+    """The prompt text to tokenize (see 'Prompt styles' in the module docstring)."""
+    if prompt_style not in PROMPT_STYLES:
+        raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
+    if isinstance(prompt, str):
+        if prompt_style == "messages":
+            return render_prompt([{"role": "user", "content": prompt}], tokenizer, "messages")
+        return prompt
+    messages = [dict(m) for m in prompt]
+    if not messages or any("content" not in m or "role" not in m for m in messages):
+        raise ValueError(f"prompt must be a string or a list of {{'role', 'content'}} messages, got {prompt!r:.200}")
+    embedded = len(messages) == 1 and EMBEDDED_TEMPLATE_MARKER in messages[0]["content"]
+    if prompt_style == "template" or (prompt_style == "auto" and embedded):
+        if len(messages) != 1:
+            raise ValueError(f"a template-style prompt is one message, got {len(messages)}")
+        return messages[0]["content"]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class PromptDataset:
+    """Tokenized prompts with their reward inputs; over-long prompts dropped and reported."""
+
+    def __init__(
+        self,
+        paths: PathLike | Sequence[PathLike],
+        tokenizer: Any,
+        max_prompt_length: int | None = None,
+        prompt_key: str = "prompt",
+        prompt_style: str = "auto",
+        cache_dir: str | None = None,
+    ):
+        rows = load_rows(paths, prompt_key=prompt_key, cache_dir=cache_dir)
+        texts = []
+        for r in rows:
+            try:
+                texts.append(render_prompt(r["prompt"], tokenizer, prompt_style))
+            except Exception as e:
+                raise ValueError(f"{r['source']}: row {r['row']}: cannot render prompt: {e}") from e
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        self.rows: list[dict] = []
+        self.dropped: dict[str, int] = {}
+        for r, text, tokens in zip(rows, texts, ids):
+            if max_prompt_length is not None and len(tokens) > max_prompt_length:
+                self.dropped[r["source"]] = self.dropped.get(r["source"], 0) + 1
+                continue
+            self.rows.append({
+                "prompt_ids": list(tokens),
+                "prompt_text": text,
+                "data_source": r["data_source"],
+                "ground_truth": r["ground_truth"],
+                "extra_info": r["extra_info"],
+                "source": r["source"],
+                "row": r["row"],
+            })  # fmt: skip
+        if self.dropped:
+            log.warning(
+                "dropped %d of %d prompts longer than %d tokens",
+                self.num_dropped, len(rows), max_prompt_length,
+            )  # fmt: skip
+            for source, count in self.dropped.items():
+                log.warning("  %s: dropped %d", source, count)
+        if not self.rows:
+            raise ValueError(f"no prompts left after filtering to {max_prompt_length} tokens")
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+class BatchIterator:
+    """Endless (or `num_epochs`-long) shuffled batches of dataset rows, resumable exactly."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        seed: int,
+        drop_last: bool = True,
+        num_epochs: int | None = None,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(dataset) == 0 or (drop_last and len(dataset) < batch_size):
+            raise ValueError(f"dataset of {len(dataset)} rows cannot fill a batch of {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.drop_last = drop_last
+        self.num_epochs = num_epochs
+        self.epoch = 0
+        self.index = 0  # position in this epoch's order of the next row to yield
+        self._order: tuple[int, np.ndarray] | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng(self.seed + epoch).permutation(len(self.dataset)))
+        return self._order[1]
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        return self
+
+    def __next__(self) -> list[dict]:
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        n = len(self.dataset)
+        remaining = n - self.index
+        if remaining <= 0 or (self.drop_last and remaining < self.batch_size):
+            self.epoch, self.index = self.epoch + 1, 0
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        picked = self.epoch_order(self.epoch)[self.index : self.index + self.batch_size]
+        self.index += len(picked)
+        return [self.dataset[int(i)] for i in picked]
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "dataset_size": len(self.dataset),
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "batch_size", "dataset_size", "drop_last"):
+            mine = self.state_dict()[key]
+            if key in state and state[key] != mine:
+                raise ValueError(f"cannot resume: saved {key}={state[key]!r}, this iterator has {mine!r}")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
