@@ -1,0 +1,61 @@
+"""What the sampler returns: host numpy arrays, one row per response."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """N = num_prompts * n responses, grouped: rows [i*n, (i+1)*n) answer prompt i.
+
+    prompt_ids     [N, P] int32  left-padded prompt (P is the bucketed prompt length)
+    prompt_mask    [N, P] int32  1 on prompt tokens
+    response_ids   [N, R] int32  right-padded response; pad_id after the end
+    response_mask  [N, R] int32  1 on generated tokens, the EOS token included
+    logprobs       [N, R] float32 log_softmax(logits / temperature) of each sampled
+                                  token under the full distribution (pi_old); 0 on padding
+    lengths        [N] int32     response_mask.sum(-1)
+    truncated      [N] bool      reached R tokens without an EOS
+    group_ids      [N] int32     index of the prompt each row answers
+    decode_steps   int           response positions the decode loop produced (< R when
+                                 every sample finished early)
+    """
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    response_ids: np.ndarray
+    response_mask: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    truncated: np.ndarray
+    group_ids: np.ndarray
+    decode_steps: int
+
+    @property
+    def num_responses(self) -> int:
+        return self.response_ids.shape[0]
+
+    def responses(self) -> list[list[int]]:
+        """Each response's token ids without padding (for decoding to text)."""
+        return [row[: int(n)].tolist() for row, n in zip(self.response_ids, self.lengths)]
+
+    def train_batch(self) -> dict[str, np.ndarray]:
+        """The trainer's sequence batch, [N, P + R], every array aligned with input_ids.
+
+        input_ids       concat(left-padded prompt, right-padded response)
+        attention_mask  concat(prompt_mask, response_mask)
+        response_mask   zeros over the prompt part
+        old_logprobs    old_logprobs[:, t] = log pi_old(input_ids[:, t] | input_ids[:, :t]),
+                        the convention of ``arlopti_jax.models.token_logprobs``; zeros over
+                        the prompt part and padding
+        """
+        zeros_p = np.zeros_like(self.prompt_mask)
+        return {
+            "input_ids": np.concatenate([self.prompt_ids, self.response_ids], axis=1),
+            "attention_mask": np.concatenate([self.prompt_mask, self.response_mask], axis=1),
+            "response_mask": np.concatenate([zeros_p, self.response_mask], axis=1),
+            "old_logprobs": np.concatenate([zeros_p.astype(np.float32), self.logprobs], axis=1),
+        }
