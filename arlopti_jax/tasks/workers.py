@@ -35,7 +35,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 START_METHODS = ("spawn", "forkserver")
-_READY = "ready"
 _IN_WORKER = False
 
 
@@ -54,31 +53,40 @@ def _run_preload(preload: Sequence[str]) -> None:
 
 
 def _worker_main(conn: mp.connection.Connection, preload: Sequence[str]) -> None:
+    """Serve ('load', fn) and ('call', args) messages until None or a closed pipe."""
     global _IN_WORKER
     _IN_WORKER = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _run_preload(preload)
-    conn.send(_READY)
+    conn.send(("ready", True, None))
+    fn = None
     while True:
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        kind = "result"
         try:
-            job = pickle.loads(data)
-            if job is None:
+            msg = pickle.loads(data)
+            if msg is None:
                 return
-            fn, args = job
-            reply = (True, fn(*args))
+            kind = "loaded" if msg[0] == "load" else "result"
+            if kind == "loaded":
+                fn = msg[1]
+                reply = (kind, True, None)
+            else:
+                reply = (kind, True, fn(*msg[1]))
         except Exception as e:  # reported to the parent; the worker keeps serving
-            reply = (False, f"{type(e).__name__}: {e}")
+            reply = (kind, False, f"{type(e).__name__}: {e}")
         try:
             conn.send(reply)
         except Exception as e:
-            conn.send((False, f"result could not be sent back: {type(e).__name__}: {e}"))
+            conn.send((kind, False, f"result could not be sent back: {type(e).__name__}: {e}"))
 
 
 class _Worker:
+    """One process and its state: 'starting' -> 'idle' <-> 'loading' | 'busy'."""
+
     def __init__(self, ctx, preload: Sequence[str], start_timeout_s: float):
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
@@ -86,9 +94,15 @@ class _Worker:
         )
         self.proc.start()
         child.close()
-        self.ready = False
-        self.start_deadline = time.monotonic() + start_timeout_s
-        self.job: tuple[int, float] | None = None  # (item index, deadline)
+        self.state = "starting"
+        self.deadline = time.monotonic() + start_timeout_s
+        self.item: int | None = None
+        self.fn_key: bytes | None = None  # the pickled function this worker holds
+        self.loading_key: bytes | None = None  # the one it is loading (replies may come late)
+
+    def send(self, msg: Any, state: str, deadline: float) -> None:
+        self.conn.send_bytes(pickle.dumps(msg))
+        self.state, self.deadline = state, deadline
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -115,13 +129,10 @@ class WorkerPool:
         self._ctx = mp.get_context(mp_context)
         self._num_workers = num_workers
         self._preload = tuple(preload)
-        self._start_timeout_s = start_timeout_s
+        self._start_timeout_s = start_timeout_s  # also bounds loading a function's module
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self.killed = 0  # workers killed for overrunning, over the pool's life
-
-    def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self._preload, self._start_timeout_s)
 
     def map(
         self,
@@ -130,9 +141,13 @@ class WorkerPool:
         timeout_s: float,
         failure_value: Any = None,
     ) -> list[Any]:
-        """fn(*args) for each args, in order; failure_value where a call raised or overran."""
+        """fn(*args) for each args, in order; failure_value where a call raised or overran.
+
+        The deadline covers the call only: starting a worker and importing fn's module
+        there happen before it (bounded by start_timeout_s, a RuntimeError past it).
+        """
         try:
-            pickle.dumps(fn)
+            fn_key = pickle.dumps(fn)
         except Exception as e:
             raise TypeError(
                 f"{fn!r} cannot be sent to a worker process ({e}); "
@@ -142,77 +157,94 @@ class WorkerPool:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         with self._lock:
             try:
-                return self._map(fn, list(arg_tuples), timeout_s, failure_value)
+                return self._map(fn, fn_key, list(arg_tuples), timeout_s, failure_value)
             except BaseException:
-                # Busy workers would answer into the next call: drop them.
-                for w in [w for w in self._workers if w.job]:
+                # Workers mid-message would answer into the next call: drop them.
+                for w in [w for w in self._workers if w.state != "idle"]:
                     w.kill()
                     self._workers.remove(w)
                 raise
 
-    def _map(self, fn, arg_tuples, timeout_s, failure_value):
+    def _map(self, fn, fn_key, arg_tuples, timeout_s, failure_value):
         results = [failure_value] * len(arg_tuples)
         pending = collections.deque(range(len(arg_tuples)))
         while len(self._workers) < self._num_workers:
             self._workers.append(self._new_worker())
         failures = 0
-        while pending or any(w.job for w in self._workers):
-            for w in self._workers:
-                if w.ready and w.job is None and pending:
+        while pending or any(w.state == "busy" for w in self._workers):
+            for w in list(self._workers):
+                if w.state != "idle" or not pending:
+                    continue
+                now = time.monotonic()
+                try:
+                    if w.fn_key != fn_key:
+                        w.loading_key = fn_key
+                        w.send(("load", fn), "loading", now + self._start_timeout_s)
+                        continue
                     i = pending.popleft()
                     try:
-                        payload = pickle.dumps((fn, arg_tuples[i]))
+                        msg = ("call", arg_tuples[i])
+                        pickle.dumps(msg)
                     except Exception as e:
-                        log.warning("item %d cannot be pickled for a worker: %s", i, e)
+                        log.warning("item %d cannot be sent to a worker: %s", i, e)
                         failures += 1
                         continue
-                    try:
-                        w.conn.send_bytes(payload)
-                    except OSError:  # the idle worker has died; retry the item on another
-                        pending.appendleft(i)
-                        self._replace(w)
-                        continue
-                    w.job = (i, time.monotonic() + timeout_s)
-            waiting = [w for w in self._workers if w.job or not w.ready]
-            deadline = min(w.job[1] if w.job else w.start_deadline for w in waiting)
-            by_conn = {w.conn: w for w in waiting}
-            wait_s = max(0.0, deadline - time.monotonic())
-            for conn in mp.connection.wait(list(by_conn), timeout=wait_s):
-                w = by_conn[conn]
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    msg = None
-                if not w.ready:
-                    if msg != _READY:
-                        code = w.proc.exitcode
-                        self._replace(w)
-                        raise RuntimeError(f"worker process failed to start (exit code {code})")
-                    w.ready = True
-                    continue
-                i, w.job = w.job[0], None
-                if msg is None:  # the worker died mid-call (crash, out of memory)
-                    log.warning("worker died while running item %d", i)
-                    failures += 1
+                    w.item = i
+                    w.send(msg, "busy", now + timeout_s)
+                except OSError:  # the idle worker has died: retry on a fresh one
+                    if w.item is not None and w.state == "idle":
+                        pending.appendleft(w.item)
                     self._replace(w)
-                elif msg[0]:
-                    results[i] = msg[1]
-                else:
-                    log.warning("item %d raised in a worker: %s", i, msg[1])
-                    failures += 1
+            waiting = {w.conn: w for w in self._workers if w.state != "idle"}
+            if not waiting:
+                continue
+            wait_s = max(0.0, min(w.deadline for w in waiting.values()) - time.monotonic())
+            for conn in mp.connection.wait(list(waiting), timeout=wait_s):
+                failures += self._receive(waiting[conn], results)
             now = time.monotonic()
             for w in list(self._workers):
-                if w.job and now >= w.job[1]:
-                    log.warning("item %d overran its %.1fs limit; killing its worker", w.job[0], timeout_s)
+                if w.state == "busy" and now >= w.deadline:
+                    log.warning("item %d overran its %.1fs limit; killing its worker", w.item, timeout_s)
                     failures += 1
                     self.killed += 1
                     self._replace(w)
-                elif not w.ready and now >= w.start_deadline:
+                elif w.state in ("starting", "loading") and now >= w.deadline:
+                    what = "start" if w.state == "starting" else f"load {fn!r}"
                     self._replace(w)
-                    raise RuntimeError(f"worker process did not start within {self._start_timeout_s}s")
+                    raise RuntimeError(f"worker process did not {what} within {self._start_timeout_s}s")
         if failures:
             log.info("%d of %d items got the failure value", failures, len(arg_tuples))
         return results
+
+    def _receive(self, w: _Worker, results: list) -> int:
+        """Handle one message from w; returns 1 if an item failed, else 0."""
+        try:
+            kind, ok, value = w.conn.recv()
+        except (EOFError, OSError):
+            kind, ok, value = None, False, f"worker died (exit code {w.proc.exitcode})"
+        if w.state == "busy":
+            i, w.item = w.item, None
+            if kind == "result" and ok:
+                results[i] = value
+                w.state = "idle"
+                return 0
+            log.warning("item %d failed in a worker: %s", i, value)
+            if kind is None:  # crashed (e.g. out of memory)
+                self._replace(w)
+            else:
+                w.state = "idle"
+            return 1
+        if not ok:
+            state = w.state
+            self._replace(w)
+            raise RuntimeError(f"worker process failed while {state}: {value}")
+        if w.state == "loading":
+            w.fn_key = w.loading_key
+        w.state = "idle"
+        return 0
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self._preload, self._start_timeout_s)
 
     def _replace(self, w: _Worker) -> None:
         w.kill()

@@ -1,0 +1,136 @@
+"""Reward routing by data source, user reward functions, batched scoring in worker processes."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from arlopti_jax.tasks import compute_score, load_reward_fn, registry, score_batch
+from arlopti_jax.tasks.kk_reward import compute_kk_score
+from arlopti_jax.tasks.math_reward import compute_math_score
+from arlopti_jax.tasks.workers import WorkerPool
+
+KK_GT = {"solution_text_format": "(1) Ava is a knight\n(2) Mia is a knave", "statements": "()"}
+KK_RIGHT = "<|im_start|>assistant\n<think>x</think><answer>(1) Ava is a knight\n(2) Mia is a knave</answer>"
+KK_WRONG = "<|im_start|>assistant\n<think>x</think><answer>(1) Ava is a knave\n(2) Mia is a knave</answer>"
+
+
+# Module-level reward functions, importable by worker processes as 'test_reward_registry:...'.
+def constant_reward(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.25
+
+
+def unruly_reward(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        time.sleep(3600)
+    if solution_str == "raise":
+        raise RuntimeError("boom")
+    if solution_str == "nan":
+        return math.nan
+    if solution_str == "text":
+        return "not a number"
+    return float(len(solution_str))
+
+
+@pytest.mark.parametrize("source", ["kk_logic", "kk_logic3", "kk_logic_7ppl"])
+def test_kk_sources_route_to_kk(source):
+    assert compute_score(source, KK_RIGHT, KK_GT) == 3.0
+    assert compute_score(source, KK_WRONG, KK_GT) == -0.5
+
+
+@pytest.mark.parametrize("source", ["aime_dsr", "amc_dsr", "math_dsr", "deepscaler"])
+def test_math_sources_route_to_math(source):
+    assert compute_score(source, "<think>x</think> \\boxed{142}", 142.0) == 1.0
+    assert compute_score(source, "<think>x</think> \\boxed{141}", 142.0) == 0.0
+
+
+def test_unknown_source_is_named():
+    with pytest.raises(ValueError, match="'gsm8k_custom'"):
+        compute_score("gsm8k_custom", "x", "1")
+    with pytest.raises(ValueError, match="'gsm8k_custom'"):
+        score_batch(compute_score, ["gsm8k_custom"], ["x"], ["1"])
+
+
+def test_load_reward_fn():
+    assert load_reward_fn(None) is compute_score
+    assert load_reward_fn("arlopti_jax.tasks.registry:compute_score") is compute_score
+    assert load_reward_fn("test_reward_registry:constant_reward")("s", "x", None) == 0.25
+    with pytest.raises(ValueError, match="module:function"):
+        load_reward_fn("no_colon_here")
+    with pytest.raises(ImportError, match="no_such_module_xyz"):
+        load_reward_fn("no_such_module_xyz:f")
+    with pytest.raises(AttributeError, match="nope"):
+        load_reward_fn("arlopti_jax.tasks.registry:nope")
+    with pytest.raises(TypeError, match="not a function"):
+        load_reward_fn("arlopti_jax.tasks.registry:KK_PREFIX")
+
+
+def _mixed_batch():
+    sources, strs, gts = [], [], []
+    for i in range(12):
+        sources += ["kk_logic", "math_dsr"]
+        strs += [KK_RIGHT if i % 2 else KK_WRONG, f"<think>t</think> \\boxed{{{i % 3}}}"]
+        gts += [KK_GT, "1"]
+    return sources, strs, gts
+
+
+def test_score_batch_inline_matches_direct_calls():
+    sources, strs, gts = _mixed_batch()
+    expected = [compute_score(*args) for args in zip(sources, strs, gts)]
+    assert score_batch(compute_score, sources, strs, gts, num_workers=0) == expected
+    assert expected[:4] == [-0.5, 0.0, 3.0, 1.0]
+
+
+@pytest.mark.parametrize("mp_context", ["spawn", "forkserver"])
+def test_score_batch_in_workers_with_jax_running(mp_context):
+    import jax.numpy as jnp  # here, so that workers importing this module stay light
+
+    # JAX has started its runtime threads in this process; workers must not be forked from it.
+    assert float(jnp.ones(4).sum()) == 4.0
+    sources, strs, gts = _mixed_batch()
+    expected = [compute_score(*args) for args in zip(sources, strs, gts)]
+    got = score_batch(compute_score, sources, strs, gts, num_workers=2, timeout_s=20, mp_context=mp_context)
+    assert got == expected
+
+
+def test_score_batch_timeouts_and_failures():
+    strs = ["ab", "hang", "raise", "abc", "nan", "text", "hang", "abcd"]
+    start = time.monotonic()
+    got = score_batch(unruly_reward, ["any"] * 8, strs, [None] * 8, num_workers=2, timeout_s=1.5,
+                      failure_score=-1.0)  # fmt: skip
+    assert time.monotonic() - start < 30
+    assert got == [2.0, -1.0, -1.0, 3.0, -1.0, -1.0, -1.0, 4.0]
+    # The pool recovered: the killed workers were replaced.
+    assert score_batch(unruly_reward, ["any"] * 8, ["x"] * 8, [None] * 8, num_workers=2) == [1.0] * 8
+
+
+def test_worker_pool_switches_functions_after_kills():
+    """A worker replaced at the end of a call may still be loading the old function."""
+    with WorkerPool(2) as pool:
+        items = [("any", s, None, None) for s in ("hang", "ab", "hang", "abc")]
+        assert pool.map(unruly_reward, items, timeout_s=1.0, failure_value=-1.0) == [-1.0, 2.0, -1.0, 3.0]
+        assert pool.map(constant_reward, items, timeout_s=5.0) == [0.25] * 4
+        assert pool.killed == 2
+
+
+def test_score_batch_hostile_math_answer_is_bounded():
+    strs = ["\\boxed{9^{9^{9^{9}}}}"] + ["\\boxed{2}"] * 9
+    start = time.monotonic()
+    got = score_batch(compute_score, ["math_dsr"] * 10, strs, ["2"] * 10, num_workers=2, timeout_s=2.0)
+    assert time.monotonic() - start < 30
+    assert got == [0.0] + [1.0] * 9
+
+
+def test_score_batch_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="equally long"):
+        score_batch(compute_score, ["kk_logic"], ["a", "b"], [KK_GT])
+    with pytest.raises(TypeError, match="module-level function"):
+        score_batch(lambda *a: 1.0, ["x"] * 10, ["s"] * 10, [None] * 10, num_workers=1)
+
+
+def test_builtin_rewards_take_verl_arguments():
+    assert compute_kk_score(KK_RIGHT, KK_GT, {"index": 0}) == 3.0
+    assert compute_math_score("\\boxed{1}", "1", None) == 1.0
+    assert registry.reward_for("kk_logic5") is compute_kk_score
