@@ -100,8 +100,8 @@ class _Worker:
         self.fn_key: bytes | None = None  # the pickled function this worker holds
         self.loading_key: bytes | None = None  # the one it is loading (replies may come late)
 
-    def send(self, msg: Any, state: str, deadline: float) -> None:
-        self.conn.send_bytes(pickle.dumps(msg))
+    def send(self, payload: bytes, state: str, deadline: float) -> None:
+        self.conn.send_bytes(payload)
         self.state, self.deadline = state, deadline
 
     def kill(self) -> None:
@@ -179,18 +179,17 @@ class WorkerPool:
                 try:
                     if w.fn_key != fn_key:
                         w.loading_key = fn_key
-                        w.send(("load", fn), "loading", now + self._start_timeout_s)
+                        w.send(pickle.dumps(("load", fn)), "loading", now + self._start_timeout_s)
                         continue
                     i = pending.popleft()
                     try:
-                        msg = ("call", arg_tuples[i])
-                        pickle.dumps(msg)
+                        payload = pickle.dumps(("call", arg_tuples[i]))
                     except Exception as e:
                         log.warning("item %d cannot be sent to a worker: %s", i, e)
                         failures += 1
                         continue
                     w.item = i
-                    w.send(msg, "busy", now + timeout_s)
+                    w.send(payload, "busy", now + timeout_s)
                 except OSError:  # the idle worker has died: retry on a fresh one
                     if w.item is not None and w.state == "idle":
                         pending.appendleft(w.item)
