@@ -23,12 +23,14 @@ Array = jax.Array
 def _abstract_boxed(cfg: ModelConfig):
     toks = jnp.zeros((1, 1), jnp.int32)
     model = Decoder(cfg)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), toks, toks, toks))["params"]
+    with nn.logical_axis_rules(()):  # shapes only: activation constraints off, whatever mesh is active
+        return jax.eval_shape(lambda: model.init(jax.random.key(0), toks, toks, toks))["params"]
 
 
 def abstract_params(cfg: ModelConfig):
     """ShapeDtypeStruct tree of the parameters (no allocation)."""
-    return nn.meta.unbox(_abstract_boxed(cfg))
+    boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)  # raw values: unbox() would add a constraint
+    return jax.tree_util.tree_map(lambda x: x.value if boxed(x) else x, _abstract_boxed(cfg), is_leaf=boxed)
 
 
 def param_logical_specs(cfg: ModelConfig):

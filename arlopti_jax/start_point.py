@@ -1,0 +1,122 @@
+"""The embedded default's start point, built locally since nothing can be downloaded.
+
+``ensure_start_point(folder)`` makes, once (later calls reuse it):
+  folder/data/train.parquet, test_2ppl.parquet, test_3ppl.parquet
+      generated K&K puzzles (2 and 3 people; data_source kk_logic2 / kk_logic3) in the
+      public data's schema, with the chat template embedded in the prompt like the public
+      files, but a one-line system prompt instead of the public data's paragraph;
+  folder/model/  a Hugging Face folder: a byte-level BPE tokenizer trained with
+      ``tokenizers`` on generated K&K text, and a small Qwen2-architecture model trained
+      from random initialisation (``arlopti_jax.sft``) to answer in the K&K format.
+To fit a CPU budget of minutes, responses are short: the prompt opens ``<think>``, and
+the SFT target closes it at once and gives the answer block. The warm start teaches the
+format and leaves accuracy for RL to raise. The folder is built under a temporary name and
+renamed when complete, so an interrupted build is never reused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import jax
+
+from arlopti_jax import sharding as shd
+from arlopti_jax.models import ModelConfig, init_params, save_pretrained
+from arlopti_jax.tasks.kk import generate_rows, write_parquet
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+SYSTEM_LINE = "Decide who is a knight and who is a knave. Answer in <answer> </answer> tags."
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Sizes chosen so the whole default (build + RL + evaluation) runs in minutes on 2 CPU cores.
+TINY = dict(vocab_size=1024, sft_rows_per_size=1000, sft_steps=150, sft_batch=16, sft_lr=2e-3,
+            train_rows_per_size=1000, test_rows_per_size=100)
+
+
+def compact_rows(n_people: int, count: int, seed: int) -> list[dict]:
+    """Generated K&K rows whose prompt embeds the chat template with a one-line system prompt."""
+    rows = generate_rows(n_people, count, seed, data_source=f"kk_logic{n_people}")
+    for row in rows:
+        row["prompt"] = [{"role": "user", "content": (
+            f"<|im_start|>system\n{SYSTEM_LINE}<|im_end|>\n<|im_start|>user\n{row['quiz']}<|im_end|>\n"
+            "<|im_start|>assistant\n<think>")}]
+    return rows
+
+
+def sft_target(row: dict) -> str:
+    return f"</think>\n<answer>{row['solution_text_format']}</answer>"
+
+
+def tiny_model_config(vocab_size: int) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_layers=4,
+                       num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=2048,
+                       architecture="Qwen2ForCausalLM", dtype="float32", param_dtype="float32")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer with Qwen's chat special tokens, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    hf.add_tokens(TAG_TOKENS)  # whole-tag tokens (not special: decoding keeps them)
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = None) -> Path:
+    """Build (or reuse) the start point in ``folder``; returns ``folder``."""
+    from arlopti_jax.sft import run_sft
+
+    folder = Path(folder)
+    if (folder / "model" / "config.json").is_file() and (folder / "data" / "train.parquet").is_file():
+        return folder
+    s = {**TINY, **(sizes or {})}
+    tmp = folder.with_name(folder.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "data").mkdir(parents=True)
+    log.info("building the embedded start point in %s", folder)
+
+    # RL data: disjoint seeds for train, test and SFT puzzles.
+    train = compact_rows(2, s["train_rows_per_size"], seed + 1) + compact_rows(3, s["train_rows_per_size"], seed + 2)
+    write_parquet(train, tmp / "data" / "train.parquet")
+    for n in (2, 3):
+        write_parquet(compact_rows(n, s["test_rows_per_size"], seed + 10 + n), tmp / "data" / f"test_{n}ppl.parquet")
+
+    sft_rows = [{"prompt": r["prompt"], "response": sft_target(r)}
+                for n in (2, 3) for r in compact_rows(n, s["sft_rows_per_size"], seed + 20 + n)]
+    texts = [r["prompt"][0]["content"] + r["response"] for r in sft_rows]
+    tokenizer = train_tokenizer(texts, s["vocab_size"])
+    vocab = -(-len(tokenizer) // 64) * 64  # padded: whole rows for sharding
+    model_cfg = tiny_model_config(vocab).replace(
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    mesh = shd.make_mesh({"fsdp": -1})
+    params = init_params(model_cfg, jax.random.key(seed), mesh)
+    params, losses = run_sft(model_cfg, params, tokenizer, sft_rows, steps=s["sft_steps"], batch=s["sft_batch"],
+                             lr=s["sft_lr"], warmup=20, max_length=1024, seed=seed, mesh=mesh,
+                             desc="warm start (sft)")
+    save_pretrained(model_cfg, params, tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    (tmp / "model" / "sft_losses.json").write_text(json.dumps(losses))
+    if jax.process_index() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    log.info("start point ready: SFT loss %.3f -> %.3f", losses[0], losses[-1])
+    return folder
