@@ -234,6 +234,8 @@ def test_invalid_settings_name_the_field(policy):
         SamplingConfig(max_response_len=4, top_p=1.5)
     with pytest.raises(ValueError, match="SamplingConfig.max_response_len"):
         SamplingConfig(max_response_len=0)
+    with pytest.raises(ValueError, match="SamplingConfig.top_k=100 exceeds"):
+        _gen(policy, top_k=100)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         _gen(policy, prompts=[[3], []])
     with pytest.raises(ValueError, match=f"outside \\[0, {VOCAB}\\)"):

@@ -220,6 +220,8 @@ class Sampler:
         """Prefill each prompt once and sample every row's first token (dispatch only, no sync)."""
         if n < 1:
             raise ValueError(f"generate: n={n} must be >= 1")
+        if sampling.top_k > self.cfg.vocab_size:
+            raise ValueError(f"SamplingConfig.top_k={sampling.top_k} exceeds the vocabulary ({self.cfg.vocab_size})")
         temperature, top_p, eos = self._traced_settings(sampling)
         rows = shd.batch_sharding(self.mesh, 2)
         live = np.arange(batch.ids.shape[0]) < batch.num_prompts

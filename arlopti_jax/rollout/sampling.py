@@ -27,7 +27,8 @@ class SamplingConfig:
     top_p             nucleus sampling: keep the smallest set of most likely tokens whose
                       probability reaches top_p (1.0 = off).
     top_k             keep the k most likely tokens (0 = off). Applied before top_p.
-    greedy            argmax decoding (top_p / top_k are then irrelevant).
+    greedy            argmax decoding (top_p / top_k are then irrelevant); the recorded
+                      log-probs are still log_softmax(logits / temperature).
     eos_ids           a sample finishes at the first of these tokens (kept, mask 1);
                       () never stops early (fixed-length generation, for benchmarks).
     pad_id            written after a sample finishes (mask 0) and used for prompt padding.
