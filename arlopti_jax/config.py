@@ -50,16 +50,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0
     c.rollout.max_response_length = 4096
     c.rollout.prompt_bucket = 64  # prompts are padded to a multiple of this (compile once per bucket)
+    c.rollout.recompute_old_logprobs = False  # pi_old from a teacher-forced pass instead of the sampler's
 
     c.algo = ml_collections.ConfigDict()
     c.algo.adv_estimator = "grpo"
     c.algo.weighting = "none"  # none | ar | tr
     c.algo.ar_alpha = 0.0
-    c.algo.tr_a = 2.0  # TR-GRPO: w = clip(a * (sigmoid(p / tau) - mu), lo, hi)
-    c.algo.tr_tau = 0.5
+    # TR-GRPO: w = clip(tr_scale * (sigmoid(p / tr_tau) - tr_mu), tr_min, tr_max); defaults are
+    # this project's choice (the paper's constants were unavailable): see algos/token_weights.py.
+    c.algo.tr_scale = 2.0
+    c.algo.tr_tau = 0.25
     c.algo.tr_mu = 0.5
-    c.algo.tr_lo = 0.0
-    c.algo.tr_hi = 1.0
+    c.algo.tr_min = 0.1
+    c.algo.tr_max = 1.0
     c.algo.lopti_eta = 0.0  # 0 = off; >0 low-probability pass first; <0 high-probability pass first
     c.algo.lopti_split = "threshold"  # threshold on pi_old, or the eta-quantile of the batch
 
@@ -81,6 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.grad_clip = 1.0
     c.optim.schedule = "constant"
     c.optim.warmup_steps = 0
+    c.optim.min_lr_ratio = 0.0  # warmup_cosine decays to lr x this
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_prompts = 64  # prompts per RL step (x rollout.n responses)
@@ -140,7 +144,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _check(c.algo.weighting == "ar" or c.algo.ar_alpha == 0.0, "algo.ar_alpha", c.algo.ar_alpha,
            "only used with algo.weighting='ar'; set algo.weighting='ar' or ar_alpha=0")
     _check(c.algo.tr_tau > 0, "algo.tr_tau", c.algo.tr_tau, "must be > 0")
-    _check(c.algo.tr_lo <= c.algo.tr_hi, "algo.tr_lo", c.algo.tr_lo, "must be <= algo.tr_hi")
+    _check(c.algo.tr_scale > 0, "algo.tr_scale", c.algo.tr_scale, "must be > 0 (weight increasing in p)")
+    _check(c.algo.tr_min <= c.algo.tr_max, "algo.tr_min", c.algo.tr_min, "must be <= algo.tr_max")
+    _check(not (c.algo.lopti_split == "quantile" and abs(eta) >= 1), "algo.lopti_eta", eta,
+           "with lopti_split='quantile', |eta| is a quantile level in (0, 1)")
     _check(c.rollout.n >= 1, "rollout.n", c.rollout.n, "must be >= 1")
     _check(c.rollout.temperature > 0, "rollout.temperature", c.rollout.temperature, "must be > 0")
     _check(0.0 < c.rollout.top_p <= 1.0, "rollout.top_p", c.rollout.top_p, "must be in (0, 1]")

@@ -132,9 +132,9 @@ def run_sft(model_cfg: ModelConfig, params, tokenizer, rows: list[dict], *, step
                 order, pos = rng.permutation(len(rows)), 0
             idx = np.sort(order[pos:pos + batch])
             pos += batch
-            # trim to the longest row of this batch, rounded up to 64 (few compiled shapes)
+            # trim to the longest row of this batch, rounded up to 32 (few compiled shapes)
             longest = int(data["attention_mask"][idx].sum(1).max())
-            width = min(data["input_ids"].shape[1], -(-longest // 64) * 64)
+            width = min(data["input_ids"].shape[1], -(-longest // 32) * 32)
             mb = {k: v[idx, :width] for k, v in data.items()}
             params, opt_state, loss = step(params, opt_state, mb)
             losses.append(float(loss))

@@ -4,7 +4,10 @@
   folder/data/train.parquet, test_2ppl.parquet, test_3ppl.parquet
       generated K&K puzzles (2 and 3 people; data_source kk_logic2 / kk_logic3) in the
       public data's schema, with the chat template embedded in the prompt like the public
-      files, but a one-line system prompt instead of the public data's paragraph;
+      files, but a one-line system prompt instead of the public data's paragraph, and
+      people named by position (Alice, Bob, Carol): a model this small does not learn to
+      copy arbitrary names from the prompt in a CPU budget, so the task left to learn is
+      the knights-and-knaves logic itself;
   folder/model/  a Hugging Face folder: a byte-level BPE tokenizer trained with
       ``tokenizers`` on generated K&K text, and a small Qwen2-architecture model trained
       from random initialisation (``arlopti_jax.sft``) to answer in the K&K format.
@@ -16,6 +19,7 @@ renamed when complete, so an interrupted build is never reused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -25,7 +29,8 @@ import jax
 
 from arlopti_jax import sharding as shd
 from arlopti_jax.models import ModelConfig, init_params, save_pretrained
-from arlopti_jax.tasks.kk import generate_rows, write_parquet
+from arlopti_jax.tasks.kk import puzzle_row, write_parquet
+from arlopti_jax.tasks.kk_puzzles import generate_puzzles
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +47,14 @@ TINY = dict(vocab_size=1024, sft_rows_per_size=1000, sft_steps=150, sft_batch=16
             train_rows_per_size=1000, test_rows_per_size=100)
 
 
+POSITION_NAMES = ("Alice", "Bob", "Carol")
+
+
 def compact_rows(n_people: int, count: int, seed: int) -> list[dict]:
-    """Generated K&K rows whose prompt embeds the chat template with a one-line system prompt."""
-    rows = generate_rows(n_people, count, seed, data_source=f"kk_logic{n_people}")
+    """Generated K&K rows (people named by position) whose prompt embeds the chat template
+    with a one-line system prompt."""
+    puzzles = [dataclasses.replace(p, names=POSITION_NAMES[:n_people]) for p in generate_puzzles(n_people, count, seed)]
+    rows = [puzzle_row(p, i, data_source=f"kk_logic{n_people}") for i, p in enumerate(puzzles)]
     for row in rows:
         row["prompt"] = [{"role": "user", "content": (
             f"<|im_start|>system\n{SYSTEM_LINE}<|im_end|>\n<|im_start|>user\n{row['quiz']}<|im_end|>\n"
@@ -94,14 +104,16 @@ def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = N
     (tmp / "data").mkdir(parents=True)
     log.info("building the embedded start point in %s", folder)
 
-    # RL data: disjoint seeds for train, test and SFT puzzles.
-    train = compact_rows(2, s["train_rows_per_size"], seed + 1) + compact_rows(3, s["train_rows_per_size"], seed + 2)
+    # RL data: separate seeds for test, train and SFT puzzles; test puzzles removed from the others
+    test = {n: compact_rows(n, s["test_rows_per_size"], seed + 10 + n) for n in (2, 3)}
+    held_out = {r["quiz"] for rows in test.values() for r in rows}
+    for n, rows in test.items():
+        write_parquet(rows, tmp / "data" / f"test_{n}ppl.parquet")
+    fresh = lambda rows: [r for r in rows if r["quiz"] not in held_out]
+    train = fresh(compact_rows(2, s["train_rows_per_size"], seed + 1) + compact_rows(3, s["train_rows_per_size"], seed + 2))
     write_parquet(train, tmp / "data" / "train.parquet")
-    for n in (2, 3):
-        write_parquet(compact_rows(n, s["test_rows_per_size"], seed + 10 + n), tmp / "data" / f"test_{n}ppl.parquet")
-
     sft_rows = [{"prompt": r["prompt"], "response": sft_target(r)}
-                for n in (2, 3) for r in compact_rows(n, s["sft_rows_per_size"], seed + 20 + n)]
+                for n in (2, 3) for r in fresh(compact_rows(n, s["sft_rows_per_size"], seed + 20 + n))]
     texts = [r["prompt"][0]["content"] + r["response"] for r in sft_rows]
     tokenizer = train_tokenizer(texts, s["vocab_size"])
     vocab = -(-len(tokenizer) // 64) * 64  # padded: whole rows for sharding

@@ -1,0 +1,37 @@
+"""The embedded default: GRPO + AR + Lopti on a tiny Qwen2-architecture policy, on CPU.
+
+``python -m arlopti_jax.train`` with no flags uses this. Nothing is downloaded: the start
+point (a tokenizer trained on generated K&K text and a small model warm-started on
+generated 2-3 person puzzles; see ``arlopti_jax.start_point``) is built once in the run
+folder's parent. Sizes are chosen to finish on 2 CPU cores in minutes.
+"""
+
+from arlopti_jax.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.run_dir = "runs/default"
+    c.model.path = ""  # the embedded start point
+    c.model.dtype = "float32"
+    c.model.remat = False
+    c.data.max_prompt_length = 256
+    c.rollout.n = 8
+    c.rollout.temperature = 1.0
+    c.rollout.max_response_length = 48
+    c.rollout.prompt_bucket = 64
+    c.algo.weighting = "ar"  # the paper's best combination: AR (alpha 0.3) + Lopti (eta 0.5)
+    c.algo.ar_alpha = 0.3
+    c.algo.lopti_eta = 0.5
+    c.optim.lr = 5e-5
+    c.optim.weight_decay = 0.0
+    c.train.batch_prompts = 16
+    c.train.mini_batch = 64
+    c.train.micro_batch = 64
+    c.train.max_steps = 40
+    c.train.eval_every = 20
+    c.train.save_every = 10
+    c.train.eval_n = 1
+    c.train.samples_every = 5
+    c.reward.workers = 0  # K&K scoring is cheap: inline
+    return c

@@ -1,0 +1,154 @@
+"""From a validated config to the objects a run needs: policy, data, optimizer, state.
+
+Shared by ``train``, ``eval`` and ``export`` so the three read a config the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+import ml_collections
+
+from arlopti_jax import algos
+from arlopti_jax import sharding as shd
+from arlopti_jax.checkpoint import Checkpointer
+from arlopti_jax.models import ModelConfig, abstract_params, load_pretrained, param_shardings
+from arlopti_jax.rollout import SamplingConfig
+from arlopti_jax.tasks.data import BatchIterator, PromptDataset, resolve_data_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Policy:
+    model_cfg: ModelConfig
+    params: dict
+    tokenizer: object
+    model_path: Path
+
+
+def resolve_paths(config: ml_collections.ConfigDict) -> tuple[Path, list[Path], list[Path]]:
+    """(model folder, train files, test files). With no model path, the embedded default's
+    start point (built once, in the run folder's parent) supplies all three."""
+    model = config.model.path
+    train, test = config.data.train_files, config.data.test_files
+    if not model:
+        from arlopti_jax.start_point import ensure_start_point
+
+        sp = ensure_start_point(Path(config.run_dir).absolute().parent / "start_point", seed=0)
+        model = str(sp / "model")
+        train = train or str(sp / "data" / "train.parquet")
+        test = test or ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
+    if not train:
+        raise ValueError("config.data.train_files is empty: name the training files or folders")
+    split = lambda s: [p for p in s.split(",") if p]
+    return Path(model), resolve_data_files(split(train)), resolve_data_files(split(test)) if test else []
+
+
+def load_policy(config, mesh, model_path: Path) -> Policy:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    model_cfg, params = load_pretrained(model_path, mesh=mesh, dtype=config.model.dtype,
+                                        param_dtype=config.model.param_dtype, remat=config.model.remat)
+    return Policy(model_cfg, params, tokenizer, model_path)
+
+
+def eos_ids(policy: Policy) -> tuple[int, ...]:
+    ids = {policy.tokenizer.eos_token_id}
+    eos = policy.model_cfg.eos_token_id
+    ids.update(eos if isinstance(eos, tuple) else (eos,))
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def sampling_config(config, policy: Policy, *, greedy: bool = False) -> SamplingConfig:
+    r = config.rollout
+    pad = policy.tokenizer.pad_token_id
+    return SamplingConfig(max_response_len=r.max_response_length, temperature=r.temperature, top_p=r.top_p,
+                          top_k=r.top_k, greedy=greedy, eos_ids=eos_ids(policy),
+                          pad_id=pad if pad is not None else eos_ids(policy)[0], prompt_bucket=r.prompt_bucket)
+
+
+def make_mesh(config):
+    return shd.make_mesh(dict(config.mesh))
+
+
+def eval_set_name(path: Path) -> str:
+    """A test file's name in metrics: its stem, prefixed by its folder when generic
+    (kk/3ppl/test.parquet -> 3ppl_test; test_2ppl.parquet -> test_2ppl)."""
+    return f"{path.parent.name}_{path.stem}" if path.stem in ("test", "train", "eval", "validation") else path.stem
+
+
+def prompt_dataset(config, files, tokenizer) -> PromptDataset:
+    return PromptDataset(files, tokenizer, max_prompt_length=config.data.max_prompt_length,
+                         prompt_style=config.data.prompt_style)
+
+
+def train_iterator(config, dataset) -> BatchIterator:
+    return BatchIterator(dataset, config.train.batch_prompts, seed=config.data.shuffle_seed, drop_last=True)
+
+
+def total_steps(config, iterator: BatchIterator) -> int:
+    return config.train.max_steps if config.train.max_steps > 0 else config.train.epochs * iterator.steps_per_epoch
+
+
+def optimizer_steps_per_rl_step(config) -> int:
+    passes = 2 if config.algo.lopti_eta else 1
+    return passes * config.train.batch_prompts * config.rollout.n // config.train.mini_batch
+
+
+def algo_configs(config):
+    a, l = config.algo, config.loss
+    adv = algos.AdvantageConfig(estimator=a.adv_estimator)
+    weights = algos.TokenWeightConfig(weighting=a.weighting, alpha=a.ar_alpha, tr_scale=a.tr_scale, tr_tau=a.tr_tau,
+                                      tr_mu=a.tr_mu, tr_min=a.tr_min, tr_max=a.tr_max)
+    lopti = algos.LoptiConfig(enabled=a.lopti_eta != 0, eta=a.lopti_eta or 0.5, quantile=a.lopti_split == "quantile")
+    loss = algos.LossConfig(clip_low=l.clip_low, clip_high=l.clip_high, dual_clip=l.dual_clip, kl_coef=l.kl_coef,
+                            kl_type=l.kl_type, entropy_coef=l.entropy_coef, agg=l.agg,
+                            temperature=config.rollout.temperature)
+    return adv, weights, lopti, loss
+
+
+def make_optimizer(config, total_rl_steps: int):
+    o = config.optim
+    return algos.make_optimizer(algos.OptimConfig(
+        lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, eps=o.eps, grad_clip=o.grad_clip,
+        schedule=o.schedule, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
+        total_steps=total_rl_steps * optimizer_steps_per_rl_step(config)))
+
+
+def abstract_state(model_cfg: ModelConfig, optimizer, mesh):
+    """Shapes, dtypes and shardings of the checkpointed state, allocating nothing."""
+    p_sh = param_shardings(model_cfg, mesh)
+    params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                    abstract_params(model_cfg), p_sh)
+    o_sh = algos.opt_state_shardings(optimizer, model_cfg, mesh)
+    opt = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                 jax.eval_shape(optimizer.init, params), o_sh)
+    key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32, sharding=shd.replicated(mesh))
+    return {"params": params, "opt_state": opt, "rng": key}
+
+
+def checkpointer(config) -> Checkpointer:
+    return Checkpointer(Path(config.run_dir) / "checkpoints", max_to_keep=config.train.keep_checkpoints)
+
+
+def restore_from(config, ckpt: Checkpointer, target):
+    """``(step, state, meta)`` per ``config.resume``, or None for a fresh start."""
+    if config.resume == "none":
+        if ckpt.steps():
+            raise ValueError(f"config.resume='none' but {ckpt.directory} already holds checkpoints "
+                             f"{ckpt.steps()}: use resume=auto or another run_dir")
+        return None
+    if config.resume == "auto":
+        return ckpt.restore_latest(target)
+    folder = Path(config.resume)
+    if not folder.is_dir() or not folder.name.isdigit():
+        raise ValueError(f"config.resume={config.resume!r}: not a checkpoint step folder (…/checkpoints/<step>)")
+    other = Checkpointer(folder.parent, max_to_keep=10**6)
+    state, meta = other.restore(int(folder.name), target)
+    other.close()
+    return int(folder.name), state, meta

@@ -1,0 +1,243 @@
+"""The RL trainer: sample -> reward -> advantage -> token weights -> (Lopti) updates.
+
+    python -m arlopti_jax.train                                   # the embedded CPU default
+    python -m arlopti_jax.train --config=configs/kk_qwen2.5_3b_grpo_ar_lopti.py \\
+        --config.model.path=/ckpt/Qwen2.5-3B-Instruct --config.data.train_files=data/kk/3ppl/train.parquet
+
+Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts, score them,
+compute advantages and token weights, update the policy (twice with Lopti), log to
+TensorBoard, checkpoint, evaluate. SIGTERM saves a checkpoint and exits; ``resume=auto``
+continues from the newest good checkpoint with the same data order and RNG.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from arlopti_jax import algos, run_setup
+from arlopti_jax.checkpoint import PreemptionFlag
+from arlopti_jax.config import ConfigError, validate
+from arlopti_jax.eval import Evaluator, append_jsonl, format_table, is_correct, score_rollout
+from arlopti_jax.metrics import MetricsWriter, Timer, mfu
+from arlopti_jax.models import save_pretrained
+from arlopti_jax.rollout import Sampler
+from arlopti_jax.tasks import load_reward_fn
+
+DEFAULT_CONFIG = str(Path(__file__).with_name("default_config.py"))
+log = logging.getLogger("arlopti_jax.train")
+
+
+def rollout_metrics(rows, rollout, scores, n: int) -> dict[str, float]:
+    sources = [rows[i // n]["data_source"] for i in range(len(scores))]
+    correct = np.array([is_correct(s, v) for s, v in zip(sources, scores)], np.float32)
+    out = {"reward/mean": scores.mean(), "reward/std": scores.std(), "acc/all": correct.mean(),
+           "response/length_mean": rollout.lengths.mean(), "response/length_max": rollout.lengths.max(),
+           "response/truncated": rollout.truncated.mean()}
+    for source in sorted(set(sources)):
+        pick = np.array([s == source for s in sources])
+        out[f"acc/{source}"] = correct[pick].mean()
+        out[f"reward/{source}"] = scores[pick].mean()
+    return out
+
+
+def update_metrics(pass_metrics: list[dict], lopti: bool) -> dict[str, float]:
+    names = ("low", "high") if lopti else ("",)
+    out = {}
+    for name, metrics in zip(names, pass_metrics):
+        prefix = f"update/{name}/" if name else "update/"
+        out.update({prefix + k: v for k, v in metrics.items()})
+    return out
+
+
+def quartile_metrics(batch, advantages) -> dict[str, float]:
+    q = jax.device_get(algos.probability_quartiles(batch["old_logprobs"], advantages, batch["response_mask"]))
+    out = {}
+    for i in range(4):
+        out[f"quartile/q{i + 1}_mean_prob"] = q["mean_prob"][i]
+        out[f"quartile/q{i + 1}_mean_abs_adv"] = q["mean_abs_adv"][i]
+        out[f"quartile/q{i + 1}_tokens"] = q["count"][i]
+    return out
+
+
+def train(config) -> dict:
+    """Run training per ``config``; returns the final summary (also printed)."""
+    started = time.time()
+    run_dir = Path(config.run_dir)
+    mesh = run_setup.make_mesh(config)
+    model_path, train_files, test_files = run_setup.resolve_paths(config)
+    policy = run_setup.load_policy(config, mesh, model_path)
+    model_cfg, tokenizer = policy.model_cfg, policy.tokenizer
+
+    train_data = run_setup.prompt_dataset(config, train_files, tokenizer)
+    iterator = run_setup.train_iterator(config, train_data)
+    test_sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], tokenizer) for f in test_files}
+    steps = run_setup.total_steps(config, iterator)
+
+    adv_cfg, weight_cfg, lopti_cfg, loss_cfg = run_setup.algo_configs(config)
+    optimizer = run_setup.make_optimizer(config, steps)
+    ckpt = run_setup.checkpointer(config)
+    restored = run_setup.restore_from(config, ckpt, run_setup.abstract_state(model_cfg, optimizer, mesh))
+    ref_params = policy.params if loss_cfg.use_kl else None  # frozen: never donated
+    if restored is None:
+        start_step, key = 0, jax.random.key(config.seed)
+        params = jax.tree_util.tree_map(lambda x: x.copy(), policy.params) if ref_params is not None else policy.params
+        opt_state = algos.init_opt_state(optimizer, model_cfg, params, mesh)
+    else:
+        start_step, state, meta = restored
+        params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
+        iterator.load_state_dict(meta["data"])
+        log.info("resumed from %s/%d", ckpt.directory, start_step)
+    policy.params = None  # the trainer owns params from here (donated each step)
+
+    sampler = Sampler(model_cfg, mesh)
+    sampling = run_setup.sampling_config(config, policy)
+    micro = config.train.mini_batch // config.train.micro_batch
+    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, num_micro_batches=micro,
+                                       chunk_size=config.model.logprob_chunk)
+    logprobs_fn = algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
+                                              num_micro_batches=micro, chunk_size=config.model.logprob_chunk)
+    reward_fn = load_reward_fn(config.reward.fn or None)
+    evaluator = Evaluator(config, policy, sampler, test_sets, reward_fn)
+    writer = MetricsWriter(run_dir)
+    writer.text(0, "config", f"```\n{config.to_json_best_effort(indent=2)}\n```")
+    preempted = PreemptionFlag()
+    timer = Timer()
+    n = config.rollout.n
+    history = {"before": None, "after": None, "reward": []}
+
+    def evaluate(step):
+        with timer("eval"):
+            results = evaluator.run(params, jax.random.fold_in(key, 10**9 + step))
+        writer.scalars(step, results)
+        append_jsonl(run_dir / "eval.jsonl", {"step": step, **results})
+        return results
+
+    def save(step):
+        state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+        ckpt.save(step, state, {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
+                                "config": config.to_json_best_effort()})
+
+    if test_sets and config.train.eval_before and start_step == 0:
+        history["before"] = evaluate(0)
+        log.info("before training:\n%s", format_table(history["before"]))
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
+    for step in bar:
+        rows = next(iterator)
+        step_key = jax.random.fold_in(key, step)
+        # 1. sample G responses per prompt with the current policy
+        with timer("rollout"):
+            rollout = sampler.generate(params, [r["prompt_ids"] for r in rows], n, step_key, sampling)
+        # 2. verifiable rewards on host
+        with timer("reward"):
+            texts, scores = score_rollout(config, reward_fn, tokenizer, rows, rollout, n)
+        batch = rollout.train_batch()
+        if config.rollout.recompute_old_logprobs:
+            batch["old_logprobs"] = np.asarray(logprobs_fn(params, batch)) * batch["response_mask"]
+        # 3-4. advantages, token weights (AR / TR) and the Lopti split, as update passes
+        passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, scores, rollout.group_ids,
+                                       batch["response_mask"], batch["old_logprobs"])
+        if loss_cfg.use_kl:
+            batch["ref_logprobs"] = logprobs_fn(ref_params, batch)
+        # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
+        with timer("update"):
+            params, opt_state, pass_metrics = algos.update_on_batch(
+                train_step, params, opt_state, batch, passes, config.train.mini_batch)
+        # 6. metrics
+        seconds = timer.pop()
+        generated = int(rollout.lengths.sum())
+        trained = int(batch["attention_mask"].sum()) * len(passes)
+        metrics = {**rollout_metrics(rows, rollout, scores, n), **update_metrics(pass_metrics, lopti_cfg.enabled),
+                   **quartile_metrics(batch, sum(a for a, _ in passes)),
+                   **{f"time/{k}": v for k, v in seconds.items()},
+                   "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
+                   "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
+                   "train/epoch": iterator.epoch}
+        util = mfu(model_cfg.num_params(), trained, seconds["update"])
+        if util is not None:
+            metrics["throughput/train_mfu"] = util
+        writer.scalars(step + 1, metrics)
+        valid = batch["response_mask"].astype(bool)
+        writer.histogram(step + 1, "pi_old", np.exp(batch["old_logprobs"][valid]))
+        if step % config.train.samples_every == 0:
+            writer.text(step + 1, "samples", f"reward {scores[0]:.2f}\n\n```\n{texts[0]}\n```")
+        history["reward"].append(float(scores.mean()))
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
+        # 7. checkpoint (asynchronous), 8. evaluation
+        done = step + 1
+        if done % config.train.save_every == 0 or done == steps or preempted:
+            save(done)
+        if preempted:
+            log.warning("received %s: saved checkpoint %d, exiting", preempted.signal_name, done)
+            break
+        if test_sets and (done % config.train.eval_every == 0 or done == steps):
+            history["after"] = evaluate(done)
+
+    ckpt.close()
+    writer.close()
+    finished = not preempted
+    export_dir = None
+    if finished and config.train.export_at_end:
+        export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
+    return summarize(config, history, started, export_dir, preempted=bool(preempted))
+
+
+def summarize(config, history, started, export_dir, preempted) -> dict:
+    minutes = (time.time() - started) / 60
+    lines = ["", "=" * 64, f"arlopti_jax: {'stopped (preempted)' if preempted else 'finished'} in {minutes:.1f} min",
+             f"run folder: {config.run_dir}   tensorboard --logdir {config.run_dir}"]
+    rewards = history["reward"]
+    if rewards:
+        k = max(1, len(rewards) // 5)
+        lines.append(f"train reward: first {k} steps {np.mean(rewards[:k]):.3f} -> last {k} steps "
+                     f"{np.mean(rewards[-k:]):.3f}")
+    before, after = history["before"], history["after"]
+    if before and after:
+        lines.append("accuracy before -> after (greedy | sampled):")
+        for name in sorted({k.split("/")[1] for k in after}):
+            b = (before.get(f"eval/{name}/greedy_acc", float("nan")), before.get(f"eval/{name}/sampled_acc", float("nan")))
+            a = (after.get(f"eval/{name}/greedy_acc", float("nan")), after.get(f"eval/{name}/sampled_acc", float("nan")))
+            lines.append(f"  {name:<20} {b[0]:.3f} -> {a[0]:.3f}   |   {b[1]:.3f} -> {a[1]:.3f}")
+    elif after:
+        lines.append(format_table(after))
+    if export_dir:
+        lines.append(f"exported policy: {export_dir}")
+    lines.append("=" * 64)
+    if jax.process_index() == 0:
+        print("\n".join(lines))
+    return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted}
+
+
+def main(argv) -> int:
+    from absl import flags
+
+    config = flags.FLAGS.config
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
+    try:
+        validate(config, jax.device_count())
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    train(config)
+    return 0
+
+
+def _cli():
+    from absl import app
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).", lock_config=True)
+    app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    _cli()

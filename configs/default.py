@@ -1,0 +1,3 @@
+"""The embedded CPU default (the same config `python -m arlopti_jax.train` uses with no flags)."""
+
+from arlopti_jax.default_config import get_config  # noqa: F401

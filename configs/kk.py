@@ -1,0 +1,62 @@
+"""The paper's Knights-and-Knaves runs (PAPER.md, "Reference K&K run").
+
+    python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti \
+        --config.model.path=/ckpt/Qwen2.5-3B-Instruct --config.data.train_files=data/kk \
+        --config.run_dir=runs/kk3b_ar_lopti
+
+The argument is MODEL,VARIANT:
+  MODEL    3b  (Qwen2.5-3B-Instruct) | 7b  (Qwen2.5-7B-Instruct-1M)
+  VARIANT  grpo | grpo_ar | grpo_lopti | grpo_ar_lopti                    (GRPO, the paper's table)
+           rpp  | rpp_ar  | rpp_lopti  | rpp_ar_lopti                     (REINFORCE++ baseline)
+Data defaults follow the reference layout (data/kk/{3..7}ppl/{train,test}.parquet); train on
+train files only: the reference's folder-level path also pulled the test files into training.
+"""
+
+from arlopti_jax.config import base_config
+
+MODELS = {"3b": "models/Qwen2.5-3B-Instruct", "7b": "models/Qwen2.5-7B-Instruct-1M"}
+# (weighting, alpha, lopti eta): alpha 0.2 for AR alone, 0.3 with Lopti; eta 0.4 alone, 0.5 with AR.
+VARIANTS = {"": ("none", 0.0, 0.0), "_ar": ("ar", 0.2, 0.0), "_lopti": ("none", 0.0, 0.4),
+            "_ar_lopti": ("ar", 0.3, 0.5)}
+SIZES = range(3, 8)
+
+
+def get_config(arg: str = "3b,grpo_ar_lopti"):
+    try:
+        model, variant = arg.split(",")
+        estimator, suffix = variant.split("_", 1) if "_" in variant else (variant, "")
+        suffix = f"_{suffix}" if suffix else ""
+        weighting, alpha, eta = VARIANTS[suffix]
+        estimator = {"grpo": "grpo", "rpp": "reinforce_plus_plus"}[estimator]
+        path = MODELS[model]
+    except (ValueError, KeyError):
+        raise ValueError(f"configs/kk.py:{arg}: expected MODEL,VARIANT with MODEL in {sorted(MODELS)} and VARIANT "
+                         "in grpo|rpp + ''|_ar|_lopti|_ar_lopti (e.g. 3b,grpo_ar_lopti)") from None
+    c = base_config()
+    c.run_dir = f"runs/kk_{model}_{variant}"
+    c.model.path = path
+    c.model.dtype = "bfloat16"
+    c.model.remat = True
+    c.data.train_files = ",".join(f"data/kk/{n}ppl/train.parquet" for n in SIZES)
+    c.data.test_files = ",".join(f"data/kk/{n}ppl/test.parquet" for n in SIZES)
+    c.data.max_prompt_length = 400
+    c.data.shuffle_seed = 42
+    c.rollout.n = 8
+    c.rollout.temperature = 0.7
+    c.rollout.top_p = 1.0
+    c.rollout.max_response_length = 4096
+    c.algo.adv_estimator = estimator
+    c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta
+    c.loss.kl_coef = 0.001
+    c.loss.kl_type = "low_var_kl"
+    c.optim.lr = 1e-6
+    c.optim.weight_decay = 0.01
+    c.optim.schedule = "constant"
+    c.train.batch_prompts = 64
+    c.train.mini_batch = 256
+    c.train.micro_batch = 8
+    c.train.epochs = 5
+    c.train.eval_every = 20
+    c.train.save_every = 20
+    c.train.eval_n = 1
+    return c
