@@ -1,0 +1,81 @@
+"""The paper's token-probability diagnostic: response tokens in four quartiles of pi_old.
+
+Quartile edges are the 25/50/75% quantiles (linear interpolation, as ``numpy.quantile``)
+of pi_old = exp(old_logprob) over the valid response tokens of the batch; quartile q holds
+the tokens with edge[q-1] <= pi_old < edge[q] (edge[-1] = -inf, edge[3] = +inf).
+
+``probability_quartiles``: per quartile the token count, mean pi_old and mean |A~| (the
+weighted advantage the update uses). ``make_quartile_grad_norms``: per quartile the global
+L2 norm of the gradient of the loss restricted to that quartile's tokens (advantages and
+KL/entropy masked to them, the denominator still every valid token, as a Lopti pass), the
+paper's evidence that low-probability tokens dominate the update. It costs four backward
+passes: a diagnostic, not for every step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from arlopti_jax import sharding as shd
+from arlopti_jax.algos.losses import LossConfig
+from arlopti_jax.algos.train_step import BATCH_KEYS, check_batch, make_grad_fn
+from arlopti_jax.models import ModelConfig, param_shardings
+
+Array = jax.Array
+
+
+def quartile_edges(old_logprobs: Array, response_mask: Array) -> Array:
+    p = jnp.exp(old_logprobs.astype(jnp.float32))
+    return jnp.nanquantile(jnp.where(response_mask > 0, p, jnp.nan), jnp.array([0.25, 0.5, 0.75]))
+
+
+def quartile_masks(old_logprobs: Array, response_mask: Array) -> Array:
+    """[4, B, T] float masks partitioning the response tokens by pi_old quartile."""
+    p = jnp.exp(old_logprobs.astype(jnp.float32))
+    q = jnp.digitize(p, quartile_edges(old_logprobs, response_mask))
+    return (q[None] == jnp.arange(4)[:, None, None]).astype(jnp.float32) * (response_mask > 0)
+
+
+@jax.jit
+def probability_quartiles(old_logprobs: Array, advantages: Array, response_mask: Array) -> dict[str, Array]:
+    """{'edges': [3], 'count': [4], 'mean_prob': [4], 'mean_abs_adv': [4]}."""
+    masks = quartile_masks(old_logprobs, response_mask)
+    p = jnp.exp(old_logprobs.astype(jnp.float32))
+    count = masks.sum((1, 2))
+    safe = jnp.maximum(count, 1.0)
+    return {
+        "edges": quartile_edges(old_logprobs, response_mask),
+        "count": count,
+        "mean_prob": (masks * p).sum((1, 2)) / safe,
+        "mean_abs_adv": (masks * jnp.abs(advantages)).sum((1, 2)) / safe,
+    }
+
+
+def make_quartile_grad_norms(model_cfg: ModelConfig, loss_cfg: LossConfig, mesh, rules=shd.DEFAULT_RULES,
+                             num_micro_batches: int = 1, chunk_size: int = 256):
+    """``fn(params, batch) -> [4]`` gradient norms per pi_old quartile; ``batch`` as the
+    train step's (a mini-batch). Params are read, not donated."""
+    grads_fn = make_grad_fn(model_cfg, loss_cfg, mesh, rules, num_micro_batches, chunk_size)
+    keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
+    b_sh = shd.batch_sharding(mesh, 2)
+
+    def fn(params, batch):
+        masks = quartile_masks(batch["old_logprobs"], batch["response_mask"])
+
+        def one(mask):
+            restricted = {**batch, "advantages": batch["advantages"] * mask, "loss_mask": batch["loss_mask"] * mask}
+            return grads_fn(params, restricted)[1]["grad_norm"]
+
+        return jax.lax.map(one, masks)
+
+    jitted = jax.jit(fn, in_shardings=(param_shardings(model_cfg, mesh, rules), b_sh),
+                     out_shardings=shd.replicated(mesh))
+
+    def quartile_grad_norms(params, batch) -> Array:
+        rows = num_micro_batches * shd.batch_divisor(mesh)
+        batch = jax.device_put(check_batch(batch, keys, rows), b_sh)
+        with shd.activate(mesh, rules):
+            return jitted(params, batch)
+
+    return quartile_grad_norms
