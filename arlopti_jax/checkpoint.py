@@ -72,9 +72,16 @@ class PreemptionFlag:
     def __init__(self, signals=(signal.SIGTERM,)):
         self._event = threading.Event()
         self.signal_name = ""
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in signals:
-                signal.signal(sig, self._handle)
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def close(self) -> None:
+        """Put back the handlers that were installed before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _handle(self, signum, frame):
         self.signal_name = signal.Signals(signum).name

@@ -189,3 +189,63 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
         per = sizes["data"] * sizes["fsdp"]
         _check(t.micro_batch % per == 0, "train.micro_batch", t.micro_batch,
                f"must be divisible by the mesh's data x fsdp = {per} (batch is split over those axes)")
+
+
+def _field_paths(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in c.items():
+        path = f"{prefix}{key}"
+        out += _field_paths(value, path + ".") if isinstance(value, ml_collections.ConfigDict) else [path]
+    return out
+
+
+def _config_from_file(argv: list[str], default_file: str) -> ml_collections.ConfigDict | None:
+    """The config that ``--config=FILE[:ARG]`` names (without overrides), or None if it fails."""
+    import importlib.util
+
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), default_file)
+    path, _, arg = spec.partition(":")
+    try:
+        module_spec = importlib.util.spec_from_file_location("_arlopti_config", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module.get_config(arg) if arg else module.get_config()
+    except Exception:
+        return None
+
+
+def parse_command_line(argv: list[str], default_file: str, define_flags) -> list[str]:
+    """Define (``define_flags()``) and parse absl flags (``--config=FILE --config.a.b=v``); on a
+    bad flag print one line naming it and exit with status 2. Returns the remaining argv."""
+    import difflib
+    import sys
+
+    from absl import flags
+
+    try:
+        define_flags()  # ml_collections' config flags already read sys.argv here
+        rest = flags.FLAGS(argv)
+        flags.FLAGS.config.keys()  # the config file loads lazily: fail here, not mid-run
+        return rest
+    except Exception as err:  # absl/ml_collections raise several types for bad overrides
+        root = err
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        last_line = lambda e: str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        message = last_line(err)
+        if isinstance(root, OSError):
+            message = f"cannot load the config file: {last_line(root)}"
+        base = _config_from_file(argv[1:], default_file)
+        if base is not None:
+            known = _field_paths(base)
+            for arg in argv[1:]:
+                if not arg.startswith("--config."):
+                    continue
+                field = arg[len("--config."):].split("=", 1)[0]
+                if field not in known:
+                    close = difflib.get_close_matches(field, known, n=1)
+                    hint = f"; did you mean config.{close[0]}?" if close else ""
+                    message = f"config.{field} is not a config field{hint}"
+                    break
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)

@@ -132,11 +132,14 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
+    from arlopti_jax.config import parse_command_line
     from arlopti_jax.train import DEFAULT_CONFIG
 
-    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).")
-    flags.DEFINE_string("checkpoint", "", "A checkpoint step folder (…/checkpoints/<step>) to evaluate.")
-    app.run(lambda argv: sys.exit(main(argv)))
+    def define():
+        flags.DEFINE_string("checkpoint", "", "A checkpoint step folder (…/checkpoints/<step>) to evaluate.")
+        config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).", lock_config=True)
+
+    sys.exit(main(parse_command_line(sys.argv, DEFAULT_CONFIG, define)))

@@ -176,11 +176,17 @@ def main(argv) -> int:
 
 
 def _cli():
-    from absl import app
+    from absl import flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_dict("config", sft_config())
-    app.run(lambda argv: sys.exit(main(argv)))
+    try:
+        config_flags.DEFINE_config_dict("config", sft_config(), lock_config=True)
+        argv = flags.FLAGS(sys.argv)
+    except Exception as err:
+        print(f"error: {str(err).strip().splitlines()[-1] if str(err).strip() else err!r}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(main(argv))
 
 
 if __name__ == "__main__":

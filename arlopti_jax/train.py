@@ -183,6 +183,7 @@ def train(config) -> dict:
 
     ckpt.close()
     writer.close()
+    preempted.close()
     finished = not preempted
     export_dir = None
     if finished and config.train.export_at_end:
@@ -220,8 +221,9 @@ def main(argv) -> int:
     from absl import flags
 
     config = flags.FLAGS.config
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("absl", "jax._src.xla_bridge"):  # orbax's per-save lines, jax's backend probing
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         validate(config, jax.device_count())
     except ConfigError as err:
@@ -232,11 +234,13 @@ def main(argv) -> int:
 
 
 def _cli():
-    from absl import app
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).", lock_config=True)
-    app.run(lambda argv: sys.exit(main(argv)))
+    from arlopti_jax.config import parse_command_line
+
+    define = lambda: config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).",
+                                                     lock_config=True)
+    sys.exit(main(parse_command_line(sys.argv, DEFAULT_CONFIG, define)))
 
 
 if __name__ == "__main__":

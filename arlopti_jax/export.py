@@ -1,0 +1,60 @@
+"""Export a training checkpoint's policy as a Hugging Face folder.
+
+    python -m arlopti_jax.export --checkpoint runs/kk3b/checkpoints/120 --out exports/kk3b_step120
+
+The checkpoint's metadata names the run's config and model folder, so nothing else is
+needed: the folder gets config.json, safetensors and the model's tokenizer files, and
+loads in transformers (and back into arlopti_jax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import ml_collections
+
+from arlopti_jax import run_setup
+from arlopti_jax.checkpoint import Checkpointer
+from arlopti_jax.models import ModelConfig, save_pretrained
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    folder = Path(checkpoint).absolute()
+    if not folder.is_dir() or not folder.name.isdigit():
+        raise ValueError(f"--checkpoint {checkpoint}: not a checkpoint step folder (…/checkpoints/<step>)")
+    meta_file = folder / "meta" / "metadata"
+    if not meta_file.is_file():
+        raise ValueError(f"{folder}: no meta/metadata: not a complete arlopti_jax checkpoint")
+    meta = json.loads(meta_file.read_text())
+    config = ml_collections.ConfigDict(json.loads(meta["config"]))
+    model_path = Path(meta["model_path"])
+    model_cfg = ModelConfig.from_pretrained(model_path, dtype=config.model.dtype,
+                                            param_dtype=config.model.param_dtype, remat=config.model.remat)
+    mesh = run_setup.make_mesh(config)
+    optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
+    ckpt = Checkpointer(folder.parent)
+    state, _ = ckpt.restore(int(folder.name), run_setup.abstract_state(model_cfg, optimizer, mesh))
+    ckpt.close()
+    return save_pretrained(model_cfg, state["params"], out, tokenizer_dir=model_path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m arlopti_jax.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint step folder: RUN/checkpoints/STEP")
+    parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""End to end: training, kill + resume=auto, SIGTERM, damaged checkpoints, config errors, export, eval."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from arlopti_jax import run_setup
+from arlopti_jax.checkpoint import Checkpointer
+from arlopti_jax.default_config import get_config
+from arlopti_jax.start_point import ensure_start_point
+from arlopti_jax.train import train
+
+SMALL = dict(sft_steps=3, sft_rows_per_size=24, train_rows_per_size=40, test_rows_per_size=6)
+# metrics that depend on wall time, not on the computation
+TIMING = ("time/", "throughput/")
+
+
+@pytest.fixture(scope="module")
+def start_point(tmp_path_factory):
+    return ensure_start_point(tmp_path_factory.mktemp("sp") / "start_point", seed=0, sizes=SMALL)
+
+
+def overrides(sp: Path, run_dir: Path, **extra) -> dict:
+    base = {"run_dir": str(run_dir), "model.path": str(sp / "model"),
+            "data.train_files": str(sp / "data" / "train.parquet"), "data.test_files": "",
+            "rollout.n": 4, "rollout.max_response_length": 12, "train.batch_prompts": 4,
+            "train.mini_batch": 8, "train.micro_batch": 8, "train.max_steps": 4, "train.save_every": 2,
+            "train.samples_every": 1, "train.export_at_end": False, "loss.kl_coef": 0.001}
+    base.update(extra)
+    return base
+
+
+def make_config(values: dict):
+    c = get_config()
+    for key, value in values.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def cli(values: dict) -> list[str]:
+    return [sys.executable, "-m", "arlopti_jax.train"] + [f"--config.{k}={v}" for k, v in values.items()]
+
+
+def step_metrics(run_dir: Path) -> dict[int, dict]:
+    """Last record per step from metrics.jsonl, without timing-dependent values."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = {k: v for k, v in rec.items() if not k.startswith(TIMING)}
+    return out
+
+
+def wait_for(predicate, proc, timeout=600):
+    start = time.time()
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        if time.time() - start > timeout:
+            proc.kill()
+            raise AssertionError("timed out waiting for the training process")
+        time.sleep(0.5)
+
+
+def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
+    # A: uninterrupted, in this process (8 fake devices: the mesh is fsdp=8)
+    summary = train(make_config(overrides(start_point, tmp_path / "a")))
+    assert len(summary["rewards"]) == 4
+    want = step_metrics(tmp_path / "a")
+    assert set(want) == {1, 2, 3, 4}
+    assert "update/low/pg_loss" in want[1] and "update/high/pg_loss" in want[1]  # Lopti's two passes
+    assert "quartile/q1_mean_prob" in want[1]
+
+    # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
+    values = overrides(start_point, tmp_path / "b")
+    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (tmp_path / "b" / "checkpoints" / "2" / "commit_success.txt").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    got_before = step_metrics(tmp_path / "b")
+    assert max(got_before) < 4, "the kill came too late to test anything"
+    train(make_config({**values, "resume": "auto"}))
+    got = step_metrics(tmp_path / "b")
+    for step in (1, 2, 3, 4):
+        assert got[step] == want[step], f"step {step} differs after resume"
+
+
+def test_sigterm_leaves_a_loadable_checkpoint(start_point, tmp_path):
+    values = overrides(start_point, tmp_path / "t", **{"train.max_steps": 50, "train.save_every": 100})
+    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "received SIGTERM" in out
+    last = max(step_metrics(tmp_path / "t"))
+    ckpt = Checkpointer(tmp_path / "t" / "checkpoints")
+    assert ckpt.steps() == [last]
+    config = make_config(values)
+    policy = run_setup.load_policy(config, run_setup.make_mesh(config), start_point / "model")
+    optimizer = run_setup.make_optimizer(config, 50)
+    state, meta = ckpt.restore(last, run_setup.abstract_state(policy.model_cfg, optimizer, run_setup.make_mesh(config)))
+    assert meta["step"] == last and meta["data"]["index"] == 4 * last
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state["params"]))
+
+
+def test_damaged_checkpoint_is_skipped_with_warning(tmp_path, caplog):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    state = lambda v: {"w": jax.device_put(jnp.full((8, 4), v, jnp.float32), sharding)}
+    ckpt = Checkpointer(tmp_path / "ck", async_save=False)
+    ckpt.save(1, state(1.0), {"step": 1})
+    ckpt.save(2, state(2.0), {"step": 2})
+    ckpt.close()
+    for f in (tmp_path / "ck" / "2" / "state").rglob("*"):  # truncate every data file of step 2
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    ckpt = Checkpointer(tmp_path / "ck")
+    step, restored, meta = ckpt.restore_latest(state(0.0))
+    assert step == 1 and meta == {"step": 1}
+    np.testing.assert_array_equal(restored["w"], np.ones((8, 4)))
+    assert any("checkpoint" in r.message and "unreadable" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--config.algo.lopti_etaa=0.5"], "error: config.algo.lopti_etaa is not a config field; did you mean config.algo.lopti_eta?"),
+    (["--config.algo.lopti_eta=1.5"], "error: config.algo.lopti_eta=1.5 is invalid: must be in [-1, 1]"),
+    (["--config.train.micro_batch=4"], "error: config.train.micro_batch=4 is invalid: must be divisible by the mesh's data x fsdp = 8"),
+    (["--config.algo.weighting=arr"], "error: config.algo.weighting='arr' is invalid: allowed values are ['none', 'ar', 'tr']"),
+])
+def test_invalid_config_fails_with_one_line(args, expected):
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.train", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_export_and_eval_clis(start_point, tmp_path):
+    values = overrides(start_point, tmp_path / "e", **{"train.max_steps": 2, "data.test_files":
+                                                      str(start_point / "data" / "test_2ppl.parquet")})
+    train(make_config(values))
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.export", "--checkpoint",
+                           str(tmp_path / "e" / "checkpoints" / "2"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok("Alice says Bob is a knave.", return_tensors="pt")["input_ids"]
+    assert model(ids).logits.shape[-1] >= len(tok)
+    evaluated = tmp_path / "e" / "eval.jsonl"
+    records = [json.loads(l) for l in evaluated.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 2]  # before training and at the end
+    assert "eval/test_2ppl/greedy_acc" in records[0]
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.eval", *[f"--config.{k}={v}" for k, v in values.items()],
+                           f"--checkpoint={tmp_path / 'e' / 'checkpoints' / '2'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "test_2ppl" in proc.stdout
+    # the standalone evaluation of the final checkpoint reproduces the in-training one
+    last = json.loads(evaluated.read_text().splitlines()[-1])
+    assert last["eval/test_2ppl/greedy_acc"] == records[-1]["eval/test_2ppl/greedy_acc"]
