@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from arlopti_jax import sharding as shd
-from arlopti_jax.algos import (AdvantageConfig, LoptiConfig, LossConfig, OptimConfig, TokenWeightConfig,
+from arlopti_jax.algos import (AdvantageConfig, LoptiConfig, LossConfig, OptimConfig, TokenWeightConfig, current_lr,
                                init_opt_state, make_compute_logprobs, make_optimizer, make_quartile_grad_norms,
-                               make_train_step, prepare_updates, update_on_batch)
-from arlopti_jax.models import ModelConfig, init_params, logits, param_shardings
+                               make_schedule, make_train_step, prepare_updates, update_on_batch)
+from arlopti_jax.models import ModelConfig, abstract_params, logits, param_shardings
 from test_advantages import np_grpo
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -52,7 +53,14 @@ def logprobs_fn(mesh_shape=SINGLE):
 
 @functools.cache
 def _host_params(seed):
-    return jax.device_get(init_params(CFG, jax.random.key(seed), mesh_of(SINGLE)))
+    """Random params drawn in numpy (no init compile): N(0, 0.02) weights, norm scales ~ 1."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        noise = rng.normal(0.0, 0.02, leaf.shape).astype(np.float32)
+        return noise * 5 + 1.0 if "scale" in jax.tree_util.keystr(path) else noise
+
+    return jax.tree_util.tree_map_with_path(draw, abstract_params(CFG))
 
 
 def params_on(mesh_shape=SINGLE, seed=0):
@@ -195,9 +203,14 @@ def test_lopti_two_passes_equal_two_manual_sequential_updates():
     assert max_diff(host(got), host(params)) == 0.0
 
 
+def logprobs_of(params, batch):
+    """Log-probs of an 8-row batch through the 16-row compiled function (rows repeated)."""
+    full = {k: np.concatenate([batch[k], batch[k]]) for k in ("input_ids", "attention_mask")}
+    return np.asarray(logprobs_fn()(params, full))[:8]
+
+
 def _response_logprob(params, batch, row):
-    lp = np.asarray(logprobs_fn()(params, batch))
-    return float((lp[row] * batch["response_mask"][row]).sum())
+    return float((logprobs_of(params, batch)[row] * batch["response_mask"][row]).sum())
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -226,7 +239,7 @@ def test_kl_term_uses_ref_logprobs_and_pulls_towards_the_reference():
     batch["advantages"] = np.zeros_like(batch["advantages"])
     with pytest.raises(KeyError, match="ref_logprobs"):
         step(params_on(), _adam_state(params_on()), batch)
-    ref = np.asarray(logprobs_fn()(params_on(seed=1), batch))
+    ref = logprobs_of(params_on(seed=1), batch)
     batch["ref_logprobs"] = ref
     params = params_on()
     state = _adam_state(params)
@@ -265,3 +278,56 @@ def test_quartile_grad_norms_match_a_naive_per_quartile_loss():
     want = [float(naive_norm(params, ((quart == q) & (resp > 0)).astype(np.float32))) for q in range(4)]
     np.testing.assert_allclose(got, want, rtol=1e-4)
     assert np.all(got > 0)
+
+
+def test_shuffled_mini_batches_follow_the_keyed_permutation():
+    step, _ = step_for(optim="adam")
+    batch, rewards, gids = rollout()
+    passes = prepare_updates(AdvantageConfig("grpo"), TokenWeightConfig(), LoptiConfig(), rewards, gids,
+                             batch["response_mask"], batch["old_logprobs"])
+    key = jax.random.key(7)
+    got, _, _ = update_on_batch(step, params_on(), _adam_state(params_on()), batch, passes, 8, shuffle_key=key)
+    order = np.asarray(jax.random.permutation(jax.random.fold_in(key, 0), ROWS))
+    full = {**batch, "advantages": np.asarray(passes[0][0]), "loss_mask": np.asarray(passes[0][1])}
+    params, state = params_on(), _adam_state(params_on())
+    for rows in (order[:8], order[8:]):
+        params, state, _ = step(params, state, {k: v[rows] for k, v in full.items()})
+    assert max_diff(host(got), host(params)) == 0.0
+
+
+def test_optimizer_state_is_sharded_like_the_params():
+    mesh_shape = (("fsdp", 4), ("tensor", 2))
+    mesh = mesh_of(mesh_shape)
+    opt = make_optimizer(ADAM)
+    state = init_opt_state(opt, CFG, params_on(mesh_shape), mesh)
+    p_sh = param_shardings(CFG, mesh)
+    adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)][0]
+    for moments in (adam.mu, adam.nu):
+        specs = jax.tree.map(lambda x, sh: (x.sharding.spec, sh.spec), moments, p_sh)
+        assert all(a == b for a, b in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, tuple)))
+    assert adam.mu["layers"]["attn"]["q_kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
+
+
+def test_schedules_and_reported_lr():
+    cfg = OptimConfig(lr=1e-3, schedule="warmup_cosine", warmup_steps=4, total_steps=12, min_lr_ratio=0.1)
+    sched = make_schedule(cfg)
+    for t in range(14):
+        if t < 4:
+            want = 1e-3 * t / 4
+        else:
+            frac = min(t - 4, 8) / 8
+            want = 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + np.cos(np.pi * frac))
+        np.testing.assert_allclose(float(sched(t)), want, rtol=1e-5, atol=1e-12)
+    warm = make_schedule(OptimConfig(lr=2e-3, warmup_steps=2))
+    assert [float(warm(t)) for t in (0, 1, 2, 5)] == pytest.approx([0.0, 1e-3, 2e-3, 2e-3])
+    opt = make_optimizer(cfg)
+    params = {"w": jnp.ones(3)}
+    state = opt.init(params)
+    for t in range(3):
+        _, state = opt.update({"w": jnp.ones(3)}, state, params)
+        assert float(current_lr(state)) == pytest.approx(float(sched(t)))
+    with pytest.raises(ValueError, match="OptimConfig.total_steps"):
+        OptimConfig(schedule="warmup_cosine", warmup_steps=10, total_steps=10)
+    with pytest.raises(ValueError, match="OptimConfig.schedule"):
+        OptimConfig(schedule="linear")

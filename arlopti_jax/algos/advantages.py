@@ -14,7 +14,8 @@ left out of every group statistic and of the REINFORCE++ whitening, and gets 0.
 Estimators (see PAPER.md, "Advantage estimators"):
   grpo                 A_i = (r_i - mean(r_g)) / (std(r_g) + eps), std unbiased (ddof=1);
                        a group of size 1 gets mean 0 and std 1 (so A_i = r_i / (1 + eps)).
-  dr_grpo              A_i = r_i - mean(r_g), no std division (size-1 group: mean 0).
+  dr_grpo              A_i = r_i - mean(r_g), no std division (size-1 group: mean 0, as grpo);
+                       Dr. GRPO's advantage only: pair it with agg='seq-mean-token-sum'.
   rloo                 A_i = r_i - mean_{j in g, j != i} r_j (size-1 group: 0).
   reinforce_plus_plus  token reward r_i on the last response token, per-token discounted
                        return G_t = sum_{s >= t} gamma^(s-t) r_s over the response, then
