@@ -42,8 +42,8 @@ def param_shardings(cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES):
     return shd.logical_to_shardings(param_logical_specs(cfg), mesh, rules, shapes=abstract_params(cfg))
 
 
-def init_params(cfg: ModelConfig, rng: Array, mesh, rules=shd.DEFAULT_RULES):
-    """Randomly initialised parameters, created directly in their shardings."""
+@functools.lru_cache(maxsize=8)
+def _jitted_init(cfg: ModelConfig, mesh, rules):
     toks = jnp.zeros((1, 1), jnp.int32)
     model = Decoder(cfg)
 
@@ -51,7 +51,13 @@ def init_params(cfg: ModelConfig, rng: Array, mesh, rules=shd.DEFAULT_RULES):
     def init(key):
         return nn.meta.unbox(model.init(key, toks, toks, toks))["params"]
 
-    return init(rng)
+    return init
+
+
+def init_params(cfg: ModelConfig, rng: Array, mesh, rules=shd.DEFAULT_RULES):
+    """Randomly initialised parameters, created directly in their shardings (compiled once
+    per config, mesh and rules)."""
+    return _jitted_init(cfg, mesh, tuple(rules))(rng)
 
 
 def hidden_states(cfg: ModelConfig, params, input_ids: Array, attention_mask: Array) -> Array:
