@@ -178,3 +178,14 @@ def test_export_and_eval_clis(start_point, tmp_path):
     # the standalone evaluation of the final checkpoint reproduces the in-training one
     last = json.loads(evaluated.read_text().splitlines()[-1])
     assert last["eval/test_2ppl/greedy_acc"] == records[-1]["eval/test_2ppl/greedy_acc"]
+
+    # the TensorBoard event file holds the same scalars as metrics.jsonl, and renders to PNG
+    from arlopti_jax.plot import plot, read_scalars
+
+    scalars = read_scalars(tmp_path / "e")
+    jsonl = step_metrics(tmp_path / "e")
+    assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
+    for step, value in scalars["reward/mean"]:
+        assert value == pytest.approx(jsonl[step]["reward/mean"], rel=1e-6)
+    png = plot(tmp_path / "e", tmp_path / "curves.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
