@@ -158,3 +158,18 @@ def test_unsupported_architecture_and_values(tmp_path):
         ModelConfig.from_hf_dict({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_pretrained(tmp_path / "nowhere")
+
+
+def test_remat_gives_same_logits_and_gradients(tmp_path):
+    folder = write_hf_model(tmp_path / "r")
+    cfg, params = load_pretrained(folder, mesh=_single_mesh())
+    ids, mask = (jnp.asarray(a) for a in padded_batch(seed=4, length=9))
+
+    def loss(c, p):
+        lp, _ = token_logprobs(c, p, ids, mask)
+        return jnp.sum(lp * mask)
+
+    plain = jax.value_and_grad(lambda p: loss(cfg, p))(params)
+    remat = jax.value_and_grad(lambda p: loss(cfg.replace(remat=True), p))(params)
+    np.testing.assert_allclose(plain[0], remat[0], rtol=1e-6)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), plain[1], remat[1])
