@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arlopti_jax import distributed as dist
 from arlopti_jax import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.decoder import Decoder, init_cache, position_ids
@@ -56,11 +57,14 @@ class DecodeState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
-    """Prompts left-padded to a bucketed [B, P] on the host; rows >= num_prompts are padding."""
+    """Prompts left-padded to a bucketed [B, P] on the host; rows >= num_prompts are padding.
+    In a multi-process run these are this process's rows of a global batch of
+    ``global_rows`` rows (0: the same as B, one process)."""
 
     ids: np.ndarray
     mask: np.ndarray
     num_prompts: int
+    global_rows: int = 0
 
 
 def _rows(x: Array) -> Array:
@@ -154,16 +158,12 @@ def _decode(cfg: ModelConfig, params, state: DecodeState, key: Array, temperatur
     return jax.lax.while_loop(cond, body, _constrain(state))
 
 
-def _put(x: np.ndarray, sharding) -> Array:
-    """A host array that every process holds in full -> a global array in ``sharding``."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def _to_host(x: Array) -> np.ndarray:
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
+def _put(x: np.ndarray, sharding, global_rows: int = 0) -> Array:
+    """Host rows -> a global array in ``sharding``: with one process ``x`` is the whole array;
+    with several, ``x`` is this process's rows of a ``global_rows``-row array."""
+    if jax.process_count() == 1:
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.make_array_from_process_local_data(sharding, x, (global_rows,) + x.shape[1:])
 
 
 class Sampler:
@@ -187,16 +187,44 @@ class Sampler:
         """The NamedSharding of the full KV cache's "k" and "v" arrays."""
         return shd.logical_to_shardings(jax.sharding.PartitionSpec(*CACHE_AXES), self.mesh, self.rules)
 
+    def _global_layout(self, count: int, longest: int, sampling: SamplingConfig) -> tuple[int, int, int]:
+        """(prompt width, global rows, this process's rows). Several processes agree on the
+        width and on a global row count laid out as in one process (see ``process_share``)."""
+        procs = jax.process_count()
+        if procs > 1:
+            counts, longests = dist.gather(np.array([count]), np.array([longest]))
+            total, longest, count = int(counts.sum()), int(longests.max()), int(counts.max())
+        else:
+            total = count
+        if total == 0:
+            raise ValueError("generate: prompts is empty")
+        div = shd.batch_divisor(self.mesh)
+        rows = -(-bucket(total, sampling.batch_bucket) // div) * div
+        per = div // procs  # every process holds the same number of rows, whole shards
+        local = max(rows // procs, -(-count // per) * per)
+        return bucket(longest, sampling.prompt_bucket), local * procs, local
+
+    def process_share(self, num_prompts: int, sampling: SamplingConfig) -> slice:
+        """This process's prompts of a global list of ``num_prompts``, chosen so the global
+        padded batch is laid out as one process would (the same samples; eval uses this).
+        All of them with one process."""
+        if jax.process_count() == 1:
+            return slice(0, num_prompts)
+        div = shd.batch_divisor(self.mesh)
+        rows = -(-bucket(max(num_prompts, 1), sampling.batch_bucket) // div) * div
+        index = shd.batch_sharding(self.mesh, 1).addressable_devices_indices_map((rows,))
+        start = min(s[0].indices(rows)[0] for s in index.values())
+        return slice(min(start, num_prompts), min(start + rows // jax.process_count(), num_prompts))
+
     def pad_prompts(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> PromptBatch:
-        if not prompts:
+        """Left-pad ``prompts`` (this process's, in a multi-process run: every process calls
+        this with its own, possibly none) to the bucketed batch."""
+        if not prompts and jax.process_count() == 1:
             raise ValueError("generate: prompts is empty")
         lengths = [len(p) for p in prompts]
-        if min(lengths) < 1:
+        if lengths and min(lengths) < 1:
             raise ValueError(f"generate: prompt {lengths.index(min(lengths))} is empty")
-        width = bucket(max(lengths), sampling.prompt_bucket)
-        div = shd.batch_divisor(self.mesh)
-        rows = bucket(len(prompts), sampling.batch_bucket)
-        rows = -(-rows // div) * div
+        width, global_rows, rows = self._global_layout(len(prompts), max(lengths, default=1), sampling)
         ids = np.full((rows, width), sampling.pad_id, np.int32)
         mask = np.zeros((rows, width), np.int32)
         for i, p in enumerate(prompts):
@@ -207,7 +235,7 @@ class Sampler:
         if bad.any():
             row = int(np.argwhere(bad)[0][0])
             raise ValueError(f"generate: prompt {row} has token ids outside [0, {self.cfg.vocab_size})")
-        return PromptBatch(ids, mask, len(prompts))
+        return PromptBatch(ids, mask, len(prompts), global_rows)
 
     @staticmethod
     def _traced_settings(sampling: SamplingConfig):
@@ -226,9 +254,10 @@ class Sampler:
         rows = shd.batch_sharding(self.mesh, 2)
         live = np.arange(batch.ids.shape[0]) < batch.num_prompts
         with shd.activate(self.mesh, self.rules):
-            ids, mask = _put(batch.ids, rows), _put(batch.mask, rows)
+            ids, mask = _put(batch.ids, rows, batch.global_rows), _put(batch.mask, rows, batch.global_rows)
             cache, logits = self._prefill(params, ids, mask)
-            return self._start(cache, logits, mask, _put(live, shd.batch_sharding(self.mesh, 1)), key,
+            live = _put(live, shd.batch_sharding(self.mesh, 1), batch.global_rows)
+            return self._start(cache, logits, mask, live, key,
                                temperature, top_p, eos, n=n, max_len=sampling.max_response_len,
                                kernel=sampling.kernel_key)
 
@@ -240,11 +269,13 @@ class Sampler:
 
     def generate(self, params, prompts: Sequence[Sequence[int]], n: int, key: Array,
                  sampling: SamplingConfig) -> Rollout:
-        """n responses to each prompt (token id lists), as host arrays grouped by prompt."""
+        """n responses to each prompt (token id lists), as host arrays grouped by prompt.
+        Multi-process: every process passes its own prompts (any number, none included) and
+        gets back the responses to those, sampled as one global batch."""
         batch = self.pad_prompts(prompts, sampling)
         state = self.decode(params, self.start(params, batch, n, key, sampling), key, sampling)
         keep = batch.num_prompts * n
-        fetch = lambda x: _to_host(x)[:keep]
+        fetch = lambda x: dist.local_rows(x)[:keep]
         response_mask = fetch(state.mask)
         lengths = response_mask.sum(axis=1).astype(np.int32)
         finished = fetch(state.finished)
@@ -257,5 +288,5 @@ class Sampler:
             lengths=lengths,
             truncated=~finished,
             group_ids=np.repeat(np.arange(batch.num_prompts, dtype=np.int32), n),
-            decode_steps=int(_to_host(state.step)),
+            decode_steps=int(dist.to_host(state.step)),
         )
