@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from arlopti_jax import distributed as dist
 from arlopti_jax import run_setup
 from arlopti_jax.tasks import load_reward_fn, score_batch
 
@@ -42,7 +43,8 @@ def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: in
 
 
 class Evaluator:
-    """Greedy and sampled accuracy and mean reward per test set."""
+    """Greedy and sampled accuracy and mean reward per test set. With several processes, each
+    samples and scores its share of every chunk of prompts; scores are gathered."""
 
     def __init__(self, config, policy: run_setup.Policy, sampler, test_sets: dict, reward_fn):
         self.config, self.policy, self.sampler, self.sets, self.reward_fn = config, policy, sampler, test_sets, reward_fn
@@ -60,11 +62,14 @@ class Evaluator:
                 scores, correct = [], []
                 for start in range(0, len(rows), per):
                     chunk = rows[start:start + per]
+                    chunk = chunk[self.sampler.process_share(len(chunk), sampling)]
                     key, sub = jax.random.split(key)
                     rollout = self.sampler.generate(params, [r["prompt_ids"] for r in chunk], n, sub, sampling)
                     _, s = score_rollout(cfg, self.reward_fn, self.policy.tokenizer, chunk, rollout, n)
+                    ok = np.array([is_correct(chunk[i // n]["data_source"], v) for i, v in enumerate(s)], bool)
+                    s, ok = dist.gather(s, ok)
                     scores.append(s)
-                    correct += [is_correct(chunk[i // n]["data_source"], v) for i, v in enumerate(s)]
+                    correct += ok.tolist()
                 out[f"eval/{name}/{mode}_acc"] = float(np.mean(correct))
                 out[f"eval/{name}/{mode}_reward"] = float(np.mean(np.concatenate(scores)))
         for mode in ("greedy", "sampled"):
@@ -100,6 +105,7 @@ def main(argv) -> int:
 
     config = flags.FLAGS.config
     try:
+        dist.initialize(config)  # several processes: every one runs this command
         validate(config, jax.device_count())
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

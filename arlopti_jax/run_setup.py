@@ -13,6 +13,7 @@ import jax
 import ml_collections
 
 from arlopti_jax import algos
+from arlopti_jax import distributed as dist
 from arlopti_jax import sharding as shd
 from arlopti_jax.checkpoint import Checkpointer
 from arlopti_jax.models import ModelConfig, abstract_params, load_pretrained, param_shardings
@@ -32,13 +33,18 @@ class Policy:
 
 def resolve_paths(config: ml_collections.ConfigDict) -> tuple[Path, list[Path], list[Path]]:
     """(model folder, train files, test files). With no model path, the embedded default's
-    start point (built once, in the run folder's parent) supplies all three."""
+    start point (built once, in the run folder's parent) supplies all three. With several
+    processes, process 0 builds it on its own devices while the others wait (the folder must be
+    shared, or built beforehand on every host)."""
     model = config.model.path
     train, test = config.data.train_files, config.data.test_files
     if not model:
         from arlopti_jax.start_point import ensure_start_point
 
-        sp = ensure_start_point(Path(config.run_dir).absolute().parent / "start_point", seed=0)
+        sp = Path(config.run_dir).absolute().parent / "start_point"
+        if jax.process_index() == 0:
+            ensure_start_point(sp, seed=0)
+        dist.barrier("arlopti_start_point")
         model = str(sp / "model")
         train = train or str(sp / "data" / "train.parquet")
         test = test or ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
@@ -73,7 +79,8 @@ def sampling_config(config, policy: Policy, *, greedy: bool = False) -> Sampling
 
 
 def make_mesh(config):
-    return shd.make_mesh(dict(config.mesh))
+    """The config's mesh; with several processes, each holding a contiguous block of batch rows."""
+    return dist.process_contiguous(shd.make_mesh(dict(config.mesh)))
 
 
 def eval_set_name(path: Path) -> str:

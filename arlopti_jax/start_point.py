@@ -119,7 +119,7 @@ def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = N
     vocab = -(-len(tokenizer) // 64) * 64  # padded: whole rows for sharding
     model_cfg = tiny_model_config(vocab).replace(
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
-    mesh = shd.make_mesh({"fsdp": -1})
+    mesh = shd.make_mesh({"fsdp": -1}, devices=jax.local_devices())  # multi-process: process 0 alone builds it
     params = init_params(model_cfg, jax.random.key(seed), mesh)
     params, losses = run_sft(model_cfg, params, tokenizer, sft_rows, steps=s["sft_steps"], batch=s["sft_batch"],
                              lr=s["sft_lr"], warmup=20, max_length=1024, seed=seed, mesh=mesh,

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from arlopti_jax import algos, run_setup
+from arlopti_jax import distributed as dist
 from arlopti_jax.checkpoint import PreemptionFlag
 from arlopti_jax.config import ConfigError, validate
 from arlopti_jax.eval import Evaluator, append_jsonl, format_table, is_correct, score_rollout
@@ -33,12 +34,14 @@ DEFAULT_CONFIG = str(Path(__file__).with_name("default_config.py"))
 log = logging.getLogger("arlopti_jax.train")
 
 
-def rollout_metrics(rows, rollout, scores, n: int) -> dict[str, float]:
+def rollout_metrics(rows, scores, lengths, truncated, n: int) -> dict[str, float]:
+    """Reward, accuracy and length metrics of a whole (global) batch: ``rows`` its prompts,
+    the arrays one value per response."""
     sources = [rows[i // n]["data_source"] for i in range(len(scores))]
     correct = np.array([is_correct(s, v) for s, v in zip(sources, scores)], np.float32)
     out = {"reward/mean": scores.mean(), "reward/std": scores.std(), "acc/all": correct.mean(),
-           "response/length_mean": rollout.lengths.mean(), "response/length_max": rollout.lengths.max(),
-           "response/truncated": rollout.truncated.mean()}
+           "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
+           "response/truncated": truncated.mean()}
     for source in sorted(set(sources)):
         pick = np.array([s == source for s in sources])
         out[f"acc/{source}"] = correct[pick].mean()
@@ -56,7 +59,8 @@ def update_metrics(pass_metrics: list[dict], lopti: bool) -> dict[str, float]:
 
 
 def quartile_metrics(batch, advantages) -> dict[str, float]:
-    q = jax.device_get(algos.probability_quartiles(batch["old_logprobs"], advantages, batch["response_mask"]))
+    q = jax.tree.map(dist.to_host, algos.probability_quartiles(batch["old_logprobs"], advantages,
+                                                               batch["response_mask"]))
     out = {}
     for i in range(4):
         out[f"quartile/q{i + 1}_mean_prob"] = q["mean_prob"][i]
@@ -109,6 +113,7 @@ def train(config) -> dict:
     preempted = PreemptionFlag()
     timer = Timer()
     n = config.rollout.n
+    mine = dist.block(config.train.batch_prompts)  # this process's prompts of every batch
     history = {"before": None, "after": None, "reward": []}
 
     def evaluate(step):
@@ -119,7 +124,7 @@ def train(config) -> dict:
         return results
 
     def save(step):
-        state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+        state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
         ckpt.save(step, state, {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
                                 "config": config.to_json_best_effort()})
 
@@ -131,19 +136,22 @@ def train(config) -> dict:
 
     bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
     for step in bar:
-        rows = next(iterator)
+        rows = next(iterator)  # the global batch (the same on every process)
         step_key = jax.random.fold_in(key, step)
-        # 1. sample G responses per prompt with the current policy
+        # 1. sample G responses per prompt with the current policy (this process's prompts)
         with timer("rollout"):
-            rollout = sampler.generate(params, [r["prompt_ids"] for r in rows], n, step_key, sampling)
-        # 2. verifiable rewards on host
+            rollout = sampler.generate(params, [r["prompt_ids"] for r in rows[mine]], n, step_key, sampling)
+        # 2. verifiable rewards on host, for this process's responses
         with timer("reward"):
-            texts, scores = score_rollout(config, reward_fn, tokenizer, rows, rollout, n)
-        batch = rollout.train_batch()
+            texts, scores = score_rollout(config, reward_fn, tokenizer, rows[mine], rollout, n)
+        # process-local rows -> global arrays (unchanged with one process)
+        batch = dist.global_rows(rollout.train_batch(), mesh)
+        rewards, group_ids = dist.global_rows((scores, rollout.group_ids + mine.start), mesh)
         if config.rollout.recompute_old_logprobs:
-            batch["old_logprobs"] = np.asarray(logprobs_fn(params, batch)) * batch["response_mask"]
+            old = logprobs_fn(params, batch)
+            batch["old_logprobs"] = (old if dist.is_multiprocess() else np.asarray(old)) * batch["response_mask"]
         # 3-4. advantages, token weights (AR / TR) and the Lopti split, as update passes
-        passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, scores, rollout.group_ids,
+        passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, rewards, group_ids,
                                        batch["response_mask"], batch["old_logprobs"])
         if loss_cfg.use_kl:
             batch["ref_logprobs"] = logprobs_fn(ref_params, batch)
@@ -153,9 +161,11 @@ def train(config) -> dict:
                 train_step, params, opt_state, batch, passes, config.train.mini_batch)
         # 6. metrics
         seconds = timer.pop()
-        generated = int(rollout.lengths.sum())
+        all_scores, lengths, truncated = dist.gather(scores, rollout.lengths, rollout.truncated)
+        generated = int(lengths.sum())
         trained = int(batch["attention_mask"].sum()) * len(passes)
-        metrics = {**rollout_metrics(rows, rollout, scores, n), **update_metrics(pass_metrics, lopti_cfg.enabled),
+        metrics = {**rollout_metrics(rows, all_scores, lengths, truncated, n),
+                   **update_metrics(pass_metrics, lopti_cfg.enabled),
                    **quartile_metrics(batch, sum(a for a, _ in passes)),
                    **{f"time/{k}": v for k, v in seconds.items()},
                    "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
@@ -165,30 +175,33 @@ def train(config) -> dict:
         if util is not None:
             metrics["throughput/train_mfu"] = util
         writer.scalars(step + 1, metrics)
-        valid = batch["response_mask"].astype(bool)
-        writer.histogram(step + 1, "pi_old", np.exp(batch["old_logprobs"][valid]))
+        valid = dist.to_host(batch["response_mask"]).astype(bool)
+        writer.histogram(step + 1, "pi_old", np.exp(dist.to_host(batch["old_logprobs"])[valid]))
         if step % config.train.samples_every == 0:
             writer.text(step + 1, "samples", f"reward {scores[0]:.2f}\n\n```\n{texts[0]}\n```")
-        history["reward"].append(float(scores.mean()))
+        history["reward"].append(float(all_scores.mean()))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
         # 7. checkpoint (asynchronous), 8. evaluation
         done = step + 1
-        if done % config.train.save_every == 0 or done == steps or preempted:
+        stop = dist.any_process(bool(preempted))  # every host saves the same step
+        if done % config.train.save_every == 0 or done == steps or stop:
             save(done)
-        if preempted:
-            log.warning("received %s: saved checkpoint %d, exiting", preempted.signal_name, done)
+        if stop:
+            log.warning("received %s: saved checkpoint %d, exiting",
+                        preempted.signal_name or "a stop signal on another process", done)
             break
         if test_sets and (done % config.train.eval_every == 0 or done == steps):
             history["after"] = evaluate(done)
 
+    stop = dist.any_process(bool(preempted))
     ckpt.close()
     writer.close()
     preempted.close()
-    finished = not preempted
+    finished = not stop
     export_dir = None
     if finished and config.train.export_at_end:
         export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
-    return summarize(config, history, started, export_dir, preempted=bool(preempted))
+    return summarize(config, history, started, export_dir, preempted=not finished)
 
 
 def summarize(config, history, started, export_dir, preempted) -> dict:
@@ -225,7 +238,11 @@ def main(argv) -> int:
     for noisy in ("absl", "jax._src.xla_bridge"):  # orbax's per-save lines, jax's backend probing
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        dist.initialize(config)  # before any JAX computation; a no-op for a single process
+        if jax.process_index() != 0:  # process 0 alone prints
+            logging.getLogger().setLevel(logging.WARNING)
         validate(config, jax.device_count())
+        dist.validate(config, run_setup.make_mesh(config))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
