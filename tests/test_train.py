@@ -34,7 +34,8 @@ def overrides(sp: Path, run_dir: Path, **extra) -> dict:
             "data.train_files": str(sp / "data" / "train.parquet"), "data.test_files": "",
             "rollout.n": 4, "rollout.max_response_length": 12, "train.batch_prompts": 4,
             "train.mini_batch": 8, "train.micro_batch": 8, "train.max_steps": 4, "train.save_every": 2,
-            "train.samples_every": 1, "train.export_at_end": False, "loss.kl_coef": 0.001}
+            "train.samples_every": 1, "train.export_at_end": False, "loss.kl_coef": 0.001,
+            "optim.schedule": "constant"}
     base.update(extra)
     return base
 
