@@ -17,7 +17,7 @@
 #
 # Example (3B, 16 v5e chips on 4 hosts; see docs/memory.md for the layout):
 #   launch/tpu_pod.sh --name rl-v5e --zone us-west4-a --type v5litepod-16 --bucket my-bucket -- \
-#       --config=configs/layouts/qwen3b_v5e16.py \
+#       --config=configs/layouts/v5e16.py:3b,grpo_ar_lopti \
 #       --config.model.path=/mnt/my-bucket/models/Qwen2.5-3B-Instruct \
 #       --config.data.train_files=/mnt/my-bucket/data/kk/3ppl/train.parquet \
 #       --config.data.test_files=/mnt/my-bucket/data/kk/3ppl/test.parquet \

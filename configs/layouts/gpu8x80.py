@@ -1,0 +1,33 @@
+"""The paper's K&K runs laid out on 8 GPUs of 80 GB (H100 / A100-80GB), one node (docs/memory.md).
+
+    python -m arlopti_jax.train --config=configs/layouts/gpu8x80.py:7b,grpo_ar_lopti \
+        --config.model.path=/models/Qwen2.5-7B-Instruct-1M --config.run_dir=runs/kk7b
+
+The argument is configs/kk.py's MODEL,VARIANT. Both models fit with fsdp=8 and per-layer remat
+(bench/memory_plan.py: peak 16 GiB per GPU for 3B, 31 GiB for 7B, float32 master weights); fsdp
+alone avoids tensor-parallel activation traffic. micro_batch = 8: one sequence per GPU per
+micro-batch. Set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (XLA preallocates 75% by default). For N
+such nodes under SLURM (launch/slurm_gpu.sh), add --config.mesh.data=N --config.train.micro_batch=8N
+(or keep data=1 and let fsdp span all 8N GPUs: --config.mesh.fsdp=-1 --config.train.micro_batch=8N).
+"""
+
+import importlib.util
+from pathlib import Path
+
+LAYOUTS = {"3b": dict(data=1, fsdp=8, tensor=1), "7b": dict(data=1, fsdp=8, tensor=1)}
+
+
+def kk_config(arg: str):
+    spec = importlib.util.spec_from_file_location("configs_kk", Path(__file__).resolve().parents[1] / "kk.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def get_config(arg: str = "7b,grpo_ar_lopti"):
+    c = kk_config(arg)
+    layout = LAYOUTS[arg.split(",")[0]]
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = layout["data"], layout["fsdp"], layout["tensor"]
+    c.train.micro_batch = layout["data"] * layout["fsdp"]
+    c.model.remat = True
+    return c
