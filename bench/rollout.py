@@ -2,6 +2,7 @@
 
     python bench/rollout.py --shape tiny --batch 16 --prompt-len 64 --gen-len 64
     python bench/rollout.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 --dtype bfloat16
+    python bench/rollout.py --shape 7b --layers 2 --vocab 32768 --batch 8 --gen-len 32   # CPU, real widths
 
 Both sides generate exactly --gen-len tokens per sequence (ours: no EOS ids; transformers:
 min_new_tokens = max_new_tokens) by sampling at temperature 1 from the full distribution
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory for torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
@@ -30,13 +33,7 @@ import numpy as np  # noqa: E402
 from arlopti_jax import sharding as shd  # noqa: E402
 from arlopti_jax.models import load_pretrained  # noqa: E402
 from arlopti_jax.rollout import Sampler, SamplingConfig  # noqa: E402
-
-# Qwen2.5-0.5B / 1.5B dimensions (tied embeddings, 151936-token vocabulary).
-SHAPES = {
-    "tiny": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024, vocab=8192, tied=True),
-    "0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True),
-    "1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True),
-}
+from shapes import SHAPES, hf_model  # noqa: E402  (Qwen2.5-0.5B ... 7B dimensions)
 # Peak HBM bandwidth, bytes/s, matched against jax's device_kind (first match wins).
 PEAK_BANDWIDTH = (
     ("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
@@ -76,16 +73,7 @@ def parse_args(argv=None):
 
 
 def build_hf_model(dims: dict, dtype: str, seed: int):
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=dims["vocab"], hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
-        num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
-        tie_word_embeddings=dims["tied"], max_position_embeddings=32768, rope_theta=1_000_000.0,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return transformers.Qwen2ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    return hf_model(dims, dtype, seed).eval()
 
 
 def time_ours(folder: Path, args, prompts: list[list[int]]):

@@ -1,14 +1,22 @@
-"""Train-step throughput and compile count on a small random policy.
+"""Train-step throughput, MFU and compile count on a random policy; optionally the same workload
+through transformers (PyTorch).
 
-    python bench/train_step.py                      # CPU, 1 device
+    python bench/train_step.py                      # CPU, a small custom model
     python bench/train_step.py --devices 8 --mesh fsdp=4,tensor=2
-    python bench/train_step.py --layers 8 --hidden 512 --batch 64 --seq 512   # on an accelerator
+    python bench/train_step.py --shape 3b --layers 2 --batch 4 --seq 256 --micro 2 --hf   # CPU, real widths
+    python bench/train_step.py --shape 7b --batch 64 --seq 4608 --micro 8 --remat --dtype bfloat16  # accelerator
 
 Runs ``--steps`` train steps on one mini-batch shape and one Lopti rollout-batch update
 (``update_on_batch``: 2 passes x 2 mini-batches), prints tokens/s (all tokens through the
-forward and backward pass; response tokens separately) and counts XLA compilations with
-``jax_log_compiles``: after the warm-up step, and after the first rollout batch, there must
-be none (asserted).
+forward and backward pass; response tokens separately), achieved FLOP/s = 6 x params x tokens /
+time and MFU = that / (peak x devices) (peak: the device's bf16 peak from ``metrics.py``, or
+--peak-tflops; on CPU, the measured float32 matmul rate of ``matmul_peak``: a practical peak,
+not the datasheet one), and counts XLA compilations with ``jax_log_compiles``: after the
+warm-up step, and after the first rollout batch, there must be none (asserted).
+
+--hf times the same mini-batch step in transformers: Qwen2ForCausalLM of the same dimensions,
+the same micro-batches, token log-probs from the full logits, the PPO clipped loss with the k3
+KL term, backward, gradient clipping and torch.optim.AdamW.
 """
 
 from __future__ import annotations
@@ -18,22 +26,33 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMALL = dict(hidden=128, intermediate=512, layers=4, heads=4, kv_heads=2, vocab=2048, tied=False)
 
 
 def parse_args():
+    from shapes import add_shape_flags
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=0, help="fake CPU devices (0 = the platform's own)")
     ap.add_argument("--mesh", default="fsdp=-1", help="mesh axes, e.g. fsdp=4,tensor=2")
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    add_shape_flags(ap, default=None)
     ap.add_argument("--batch", type=int, default=16, help="mini-batch rows")
     ap.add_argument("--micro", type=int, default=2, help="micro-batches per mini-batch")
     ap.add_argument("--seq", type=int, default=256, help="prompt + response tokens")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--remat", action="store_true", help="rematerialise each layer (model.remat)")
+    ap.add_argument("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: table by device)")
+    ap.add_argument("--hf", action="store_true", help="also time the step in transformers (PyTorch)")
+    ap.add_argument("--hf-steps", type=int, default=3)
+    ap.add_argument("--skip-rollout-batch", action="store_true",
+                    help="skip the Lopti rollout-batch update (and its no-recompilation check)")
     return ap.parse_args()
 
 
@@ -51,6 +70,107 @@ class CompileCounter(logging.Handler):
         return self.names[start:]
 
 
+def model_dims(args) -> dict:
+    from shapes import DIM_FLAGS, dims
+
+    overrides = {k: getattr(args, k) for k in DIM_FLAGS}
+    if args.shape:
+        return dims(args.shape, **overrides)
+    return {**SMALL, **{k: v for k, v in overrides.items() if v is not None}}
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of a float32 [n, n] x [n, n] matmul on the default device (jitted, best of reps)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
+
+
+def device_peak(peak_tflops: float | None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where it came from)."""
+    import jax
+
+    from arlopti_jax.metrics import peak_flops_per_device
+
+    if peak_tflops:
+        return peak_tflops * 1e12, "--peak-tflops"
+    table = peak_flops_per_device()
+    if table:
+        return table, f"bf16 datasheet peak of {jax.devices()[0].device_kind}"
+    return matmul_peak() / jax.local_device_count(), "measured float32 matmul rate (CPU)"
+
+
+def throughput_line(name: str, seconds: float, tokens: int, response_tokens: int, num_params: int, peak) -> str:
+    flops = 6.0 * num_params * tokens / seconds
+    util = f"MFU {flops / peak:.1%}"
+    return (f"{name}: {seconds * 1e3:.1f} ms/step, {tokens / seconds:,.0f} tokens/s "
+            f"({response_tokens / seconds:,.0f} response tokens/s), {flops / 1e12:.3f} TFLOP/s, {util}")
+
+
+def torch_token_logprobs(model, ids, attn):
+    """log pi(ids[:, t] | ids[:, :t]) for t >= 1, [B, T - 1], from the full logits (transformers' way)."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def torch_minibatch_step(model, opt, t: dict, micro: int, clip=(0.2, 0.24), kl_coef=0.001):
+    """One optimizer step on a mini-batch of torch tensors (keys as the JAX train step's):
+    micro-batched forward/backward of the PPO clipped loss + k3 KL, clipping, AdamW."""
+    import torch
+
+    ids, attn = t["input_ids"], t["attention_mask"]
+    denom = t["response_mask"].sum().clamp(min=1)
+    opt.zero_grad(set_to_none=True)
+    for rows in torch.arange(ids.shape[0]).chunk(micro):
+        logp = torch_token_logprobs(model, ids[rows], attn[rows])
+        mask, a = t["loss_mask"][rows, 1:], t["advantages"][rows, 1:]
+        ratio = torch.exp(logp - t["old_logprobs"][rows, 1:])
+        pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
+        diff = t["ref_logprobs"][rows, 1:] - logp
+        kl = torch.exp(diff) - diff - 1  # k3 / low_var_kl
+        loss = ((pg + kl_coef * kl) * mask).sum() / denom
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def torch_batch(arrays: dict) -> dict:
+    import numpy as np
+    import torch
+
+    ints = ("input_ids", "attention_mask")
+    return {k: torch.from_numpy(np.array(v)).long() if k in ints else torch.from_numpy(np.array(v, np.float32))
+            for k, v in arrays.items()}
+
+
+def time_torch(d: dict, mini: dict, micro: int, steps: int, dtype: str):
+    """Seconds per mini-batch step of the same workload in transformers."""
+    import torch
+
+    from shapes import hf_model
+
+    model = hf_model(d, dtype).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    t = torch_batch(mini)
+    step = lambda: torch_minibatch_step(model, opt, t, micro)
+    step()  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps, torch.get_num_threads()
+
+
 def main():
     args = parse_args()
     if args.devices:
@@ -61,7 +181,8 @@ def main():
 
     from arlopti_jax import algos
     from arlopti_jax import sharding as shd
-    from arlopti_jax.models import ModelConfig, init_params
+    from arlopti_jax.models import init_params
+    from shapes import model_config
 
     jax.config.update("jax_log_compiles", True)
     counter = CompileCounter()
@@ -69,10 +190,8 @@ def main():
     logging.getLogger("jax").propagate = False  # count, do not print
 
     mesh = shd.make_mesh({k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))})
-    head_dim = args.hidden // args.heads
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                      num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=head_dim,
-                      dtype=args.dtype)
+    d = model_dims(args)
+    cfg = model_config(d, dtype=args.dtype, param_dtype="float32", remat=args.remat)
     params = init_params(cfg, jax.random.key(0), mesh)
     optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-5))
     opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
@@ -84,7 +203,7 @@ def main():
     rng = np.random.default_rng(0)
     prompt = t // 4
     resp_len = rng.integers(t // 8, t - prompt + 1, rows)
-    ids = rng.integers(3, args.vocab, (rows, t)).astype(np.int32)
+    ids = rng.integers(3, d["vocab"], (rows, t)).astype(np.int32)
     attn = (np.arange(t)[None] < prompt + resp_len[:, None]).astype(np.int32)
     resp = ((np.arange(t)[None] >= prompt) & (attn > 0)).astype(np.float32)
     rollout = {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
@@ -98,9 +217,15 @@ def main():
                                          rollout["old_logprobs"])
     mini = {k: np.asarray(v)[:args.batch] for k, v in {**rollout, "advantages": adv, "loss_mask": mask}.items()}
     tokens, response_tokens = int(mini["attention_mask"].sum()), int(mini["response_mask"].sum())
+    per_device, source = device_peak(args.peak_tflops)
+    peak = per_device * jax.device_count()
 
-    print(f"devices {jax.device_count()} ({jax.devices()[0].platform}), mesh {dict(mesh.shape)}, "
-          f"params {cfg.num_params() / 1e6:.2f}M, mini-batch {args.batch}x{t} in {args.micro} micro-batches")
+    print(f"jax {jax.__version__}, devices {jax.device_count()} ({jax.devices()[0].device_kind}), "
+          f"mesh {dict(mesh.shape)}; peak {per_device / 1e12:.3f} TFLOP/s per device ({source})")
+    print(f"model: hidden={d['hidden']} intermediate={d['intermediate']} layers={d['layers']} heads={d['heads']} "
+          f"kv_heads={d['kv_heads']} vocab={d['vocab']} tied={d['tied']} params {cfg.num_params() / 1e6:.1f}M, "
+          f"dtype {args.dtype}, remat {args.remat}; mini-batch {args.batch}x{t} in {args.micro} micro-batches "
+          f"({tokens} tokens)")
     start = time.perf_counter()
     params, opt_state, metrics = step(params, opt_state, mini)
     jax.block_until_ready(metrics)
@@ -112,16 +237,16 @@ def main():
     for _ in range(args.steps):
         params, opt_state, metrics = step(params, opt_state, mini)
     jax.block_until_ready(metrics)
-    elapsed = time.perf_counter() - start
+    elapsed = (time.perf_counter() - start) / args.steps
     steady = counter.since(mark)
-    print(f"{args.steps} steps: {elapsed / args.steps * 1e3:.1f} ms/step, {tokens * args.steps / elapsed:,.0f} tokens/s "
-          f"({response_tokens * args.steps / elapsed:,.0f} response tokens/s), loss {float(metrics['loss']):.4f}")
+    print(throughput_line(f"ours (jax), {args.steps} steps", elapsed, tokens, response_tokens, cfg.num_params(), peak)
+          + f", loss {float(metrics['loss']):.4f}")
     print(f"compilations during the {args.steps} steps: {len(steady)}; "
           f"train-step cache size: {step.num_compilations()}")
     assert not steady and step.num_compilations() == 1, f"recompiled per step: {steady}"
 
     lopti = algos.LoptiConfig(True, 0.5)
-    for attempt in ("first", "second"):
+    for attempt in () if args.skip_rollout_batch else ("first", "second"):
         mark = len(counter.names)
         passes = algos.prepare_updates(adv_cfg, weights, lopti, rewards, group_ids, resp, rollout["old_logprobs"])
         start = time.perf_counter()
@@ -130,8 +255,14 @@ def main():
         steps = sum(int(m["optimizer_steps"]) for m in pass_metrics)
         print(f"{attempt} Lopti rollout batch ({rows} rows): {len(passes)} passes, {steps} optimizer steps, "
               f"{elapsed:.2f}s, compilations: {len(counter.since(mark))} {counter.since(mark)}")
-    assert not counter.since(mark), "a second rollout batch of the same shape recompiled"
+        assert attempt == "first" or not counter.since(mark), "a second rollout batch of the same shape recompiled"
     assert step.num_compilations() == 1
+
+    if args.hf:
+        del params, opt_state
+        seconds, threads = time_torch(d, mini, args.micro, args.hf_steps, args.dtype)
+        print(throughput_line(f"transformers (torch {threads} threads), {args.hf_steps} steps", seconds, tokens,
+                              response_tokens, cfg.num_params(), per_device))
     return 0
 
 
