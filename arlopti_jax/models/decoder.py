@@ -10,7 +10,9 @@ parallel layout is a rule table, not code.
 The KV cache is explicit and functional: ``cache = {"k": [L, B, S, K, H], "v": ...}``.
 A call writes its T tokens at cache slots ``[cache_index, cache_index + T)`` and a query
 at slot ``cache_index + t`` attends to slots ``<= cache_index + t`` that ``kv_mask`` marks
-valid. Without a cache, keys are the call's own tokens and ``kv_mask`` is the
+valid. The whole cache rides in the layer scan's carry and layer i updates only its new
+slots in place, so a decode step reads the cache once and writes T slots per layer (a
+per-layer cache slice as scan input/output would be copied whole every step). Without a cache, keys are the call's own tokens and ``kv_mask`` is the
 attention mask.
 """
 
@@ -75,7 +77,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache, cache_index):
+    def __call__(self, x, positions, mask, cache, layer, cache_index):
         cfg = self.cfg
         dt, pdt = cfg.compute_dtype, cfg.weight_dtype
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -97,18 +99,19 @@ class Attention(nn.Module):
         kk = apply_rope(kk, positions, inv_freq)
         q = nn.with_logical_constraint(q, ("act_batch", "act_length", "act_heads", "head_dim"))
 
-        new_cache = None
-        if layer_cache is not None:
-            ck = jax.lax.dynamic_update_slice_in_dim(layer_cache["k"], kk.astype(layer_cache["k"].dtype), cache_index, 1)
-            cv = jax.lax.dynamic_update_slice_in_dim(layer_cache["v"], v.astype(layer_cache["v"].dtype), cache_index, 1)
-            ck = nn.with_logical_constraint(ck, ("cache_batch", "cache_length", "kv_heads", "head_dim"))
-            cv = nn.with_logical_constraint(cv, ("cache_batch", "cache_length", "kv_heads", "head_dim"))
-            new_cache = {"k": ck, "v": cv}
-            kk, v = ck.astype(dt), cv.astype(dt)
+        if cache is not None:
+            axes = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
+            zero = jnp.zeros((), jnp.int32)
+            start = (layer, zero, jnp.asarray(cache_index, jnp.int32), zero, zero)
+            cache = {name: nn.with_logical_constraint(
+                jax.lax.dynamic_update_slice(cache[name], new[None].astype(cache[name].dtype), start), axes)
+                for name, new in (("k", kk), ("v", v))}
+            kk = jax.lax.dynamic_index_in_dim(cache["k"], layer, 0, keepdims=False).astype(dt)
+            v = jax.lax.dynamic_index_in_dim(cache["v"], layer, 0, keepdims=False).astype(dt)
 
         out = jax.nn.dot_product_attention(q, kk, v, mask=mask, scale=1.0 / math.sqrt(h))
         wo = _param(self, "o_kernel", init, (n, h, d), ("heads", "head_dim", "embed"), pdt)
-        return jnp.einsum("btnh,nhd->btd", out, wo.astype(dt)), new_cache
+        return jnp.einsum("btnh,nhd->btd", out, wo.astype(dt)), cache
 
 
 class MLP(nn.Module):
@@ -132,14 +135,15 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, positions, mask, cache_index):
+    def __call__(self, carry, layer, positions, mask, cache_index):
+        x, cache = carry
         cfg = self.cfg
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name=name)
-        attn_out, new_cache = Attention(cfg, name="attn")(norm("input_norm")(x), positions, mask, layer_cache, cache_index)
+        attn_out, cache = Attention(cfg, name="attn")(norm("input_norm")(x), positions, mask, cache, layer, cache_index)
         x = x + attn_out
         x = x + MLP(cfg, name="mlp")(norm("post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-        return x, new_cache
+        return (x, cache), None
 
 
 def attention_mask(kv_mask: Array, q_len: int, cache_index) -> Array:
@@ -179,7 +183,8 @@ class Decoder(nn.Module):
         x = jnp.take(self.embedding, tokens, axis=0).astype(self.cfg.compute_dtype)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
         mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
-        x, new_cache = self.layers(x, cache, positions, mask, cache_index)
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, new_cache), _ = self.layers((x, cache), layers, positions, mask, cache_index)
         return self.final_norm(x), new_cache
 
     def unembed_matrix(self):
