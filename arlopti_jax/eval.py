@@ -132,8 +132,9 @@ def main(argv) -> int:
     start = time.time()
     results = evaluator.run(params, jax.random.key(config.seed))
     append_jsonl(Path(config.run_dir) / "eval.jsonl", {"model": label, "time": time.time(), **results})
-    print(format_table(results))
-    print(f"evaluated {label} in {time.time() - start:.1f}s")
+    if jax.process_index() == 0:
+        print(format_table(results))
+        print(f"evaluated {label} in {time.time() - start:.1f}s")
     return 0
 
 
