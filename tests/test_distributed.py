@@ -89,6 +89,25 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):  # noqa: F8
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+def test_collectives_on_two_processes(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_checks",
+           "--logs", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    logs = {p.name: p.read_text() for p in sorted(tmp_path.glob("*.log"))}
+    assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
+    for i in (0, 1):
+        assert f"checks passed on process {i}" in logs[f"process_{i}.log"]
+
+
 def _config(**distributed) -> ml_collections.ConfigDict:
     c = base_config()
     for k, v in distributed.items():
