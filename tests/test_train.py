@@ -56,11 +56,12 @@ def cli(values: dict) -> list[str]:
 
 
 def step_metrics(run_dir: Path) -> dict[int, dict]:
-    """Last record per step from metrics.jsonl, without timing-dependent values."""
-    out = {}
+    """Each step's values from metrics.jsonl (records of one step merged, later ones winning:
+    a resumed run rewrites steps), without timing-dependent values."""
+    out: dict[int, dict] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = {k: v for k, v in rec.items() if not k.startswith(TIMING)}
+        out.setdefault(rec["step"], {}).update({k: v for k, v in rec.items() if not k.startswith(TIMING)})
     return out
 
 
