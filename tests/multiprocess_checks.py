@@ -1,6 +1,7 @@
 """Run by tests/test_distributed.py in every process of ``launch/local.sh 2 --devices 4 --module
 multiprocess_checks``: the collectives of arlopti_jax.distributed and the sampler's process shares
-on a real 2-process run, without training. Prints ``checks passed on process <i>``."""
+and an orbax checkpoint saved and restored by both processes, on a real 2-process run, without
+training. Prints ``checks passed on process <i>``."""
 
 import argparse
 
@@ -13,12 +14,14 @@ def main():
     ap = argparse.ArgumentParser()
     for name in ("coordinator", "num_processes", "process_id"):
         ap.add_argument(f"--config.distributed.{name}", dest=name)
+    ap.add_argument("--checkpoints", required=True, help="a folder both processes see")
     args = ap.parse_args()
     config = ml_collections.ConfigDict({"distributed": {
         "coordinator": args.coordinator, "num_processes": int(args.num_processes), "process_id": int(args.process_id)}})
 
     from arlopti_jax import distributed as dist
     from arlopti_jax import sharding as shd
+    from arlopti_jax.checkpoint import Checkpointer
     from arlopti_jax.models import ModelConfig
     from arlopti_jax.rollout import Sampler, SamplingConfig
 
@@ -45,6 +48,18 @@ def main():
     assert (share.start, share.stop) == ((0, 4) if pid == 0 else (4, 6)), share
     batch = Sampler(cfg, mesh).pad_prompts([[5, 6]] * (share.stop - share.start), sampling)
     assert batch.global_rows == 8 and batch.ids.shape[0] == 4
+    # every process writes its shards of a checkpoint; both restore it into the same shardings
+    state = {"w": glob, "rng": dist.replicated(np.arange(2, dtype=np.uint32), mesh)}
+    ckpt = Checkpointer(args.checkpoints)
+    ckpt.save(5, state, {"step": 5, "data": {"epoch": 0, "index": 40}})
+    ckpt.close()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    ckpt = Checkpointer(args.checkpoints)
+    step, restored, meta = ckpt.restore_latest(target)
+    ckpt.close()
+    assert step == 5 and meta["data"] == {"epoch": 0, "index": 40}
+    np.testing.assert_array_equal(dist.local_rows(restored["w"]), local)
+    np.testing.assert_array_equal(dist.to_host(restored["rng"]), [0, 1])
     print(f"checks passed on process {pid}", flush=True)
 
 

@@ -93,7 +93,7 @@ def test_collectives_on_two_processes(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_checks",
-           "--logs", str(tmp_path)]
+           "--logs", str(tmp_path / "logs"), "--", f"--checkpoints={tmp_path / 'ck'}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -102,7 +102,7 @@ def test_collectives_on_two_processes(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    logs = {p.name: p.read_text() for p in sorted(tmp_path.glob("*.log"))}
+    logs = {p.name: p.read_text() for p in sorted((tmp_path / "logs").glob("*.log"))}
     assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
     for i in (0, 1):
         assert f"checks passed on process {i}" in logs[f"process_{i}.log"]
