@@ -135,7 +135,9 @@ def run_sft(model_cfg: ModelConfig, params, tokenizer, rows: list[dict], *, step
             # trim to the longest row of this batch, rounded up to 32 (few compiled shapes)
             longest = int(data["attention_mask"][idx].sum(1).max())
             width = min(data["input_ids"].shape[1], -(-longest // 32) * 32)
-            mb = {k: v[idx, :width] for k, v in data.items()}
+            # placed explicitly: a multi-process run (process 0 building the start point on its own
+            # devices) may not pass host arrays to a jit with shardings
+            mb = jax.device_put({k: v[idx, :width] for k, v in data.items()}, shd.batch_sharding(mesh))
             params, opt_state, loss = step(params, opt_state, mb)
             losses.append(float(loss))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
