@@ -199,17 +199,33 @@ def _field_paths(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     return out
 
 
-def _config_from_file(argv: list[str], default_file: str) -> ml_collections.ConfigDict | None:
-    """The config that ``--config=FILE[:ARG]`` names (without overrides), or None if it fails."""
+def load_config_file(path, arg: str = "") -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of a Python config file (as ``--config=PATH:ARG`` would load it)."""
     import importlib.util
 
+    module_spec = importlib.util.spec_from_file_location("_arlopti_config", str(path))
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def apply_layout(c: ml_collections.ConfigDict, data: int, fsdp: int, tensor: int,
+                 param_dtype: str | None = None) -> ml_collections.ConfigDict:
+    """Set a mesh layout: one sequence per data x fsdp device per micro-batch, per-layer remat."""
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
+    c.train.micro_batch = data * fsdp
+    if param_dtype is not None:
+        c.model.param_dtype = param_dtype
+    c.model.remat = True
+    return c
+
+
+def _config_from_file(argv: list[str], default_file: str) -> ml_collections.ConfigDict | None:
+    """The config that ``--config=FILE[:ARG]`` names (without overrides), or None if it fails."""
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), default_file)
     path, _, arg = spec.partition(":")
     try:
-        module_spec = importlib.util.spec_from_file_location("_arlopti_config", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        return module.get_config(arg) if arg else module.get_config()
+        return load_config_file(path, arg)
     except Exception:
         return None
 

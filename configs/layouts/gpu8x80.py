@@ -11,23 +11,13 @@ such nodes under SLURM (launch/slurm_gpu.sh), add --config.mesh.data=N --config.
 (or keep data=1 and let fsdp span all 8N GPUs: --config.mesh.fsdp=-1 --config.train.micro_batch=8N).
 """
 
-import importlib.util
 from pathlib import Path
 
+from arlopti_jax.config import apply_layout, load_config_file
+
+KK = Path(__file__).resolve().parents[1] / "kk.py"
 LAYOUTS = {"3b": dict(data=1, fsdp=8, tensor=1), "7b": dict(data=1, fsdp=8, tensor=1)}
 
 
-def kk_config(arg: str):
-    spec = importlib.util.spec_from_file_location("configs_kk", Path(__file__).resolve().parents[1] / "kk.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
-
-
 def get_config(arg: str = "7b,grpo_ar_lopti"):
-    c = kk_config(arg)
-    layout = LAYOUTS[arg.split(",")[0]]
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = layout["data"], layout["fsdp"], layout["tensor"]
-    c.train.micro_batch = layout["data"] * layout["fsdp"]
-    c.model.remat = True
-    return c
+    return apply_layout(load_config_file(KK, arg), **LAYOUTS[arg.split(",")[0]])
