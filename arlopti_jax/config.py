@@ -90,6 +90,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.batch_prompts = 64  # prompts per RL step (x rollout.n responses)
     c.train.mini_batch = 256  # responses per optimizer step
     c.train.micro_batch = 8  # responses per forward/backward (gradient accumulation)
+    # tokens per packed row (one row per data x fsdp device per micro-batch); 0 = the dense
+    # micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
+    c.train.max_tokens_per_micro_batch = 0
     c.train.epochs = 5
     c.train.max_steps = -1  # -1 = epochs x batches per epoch
     c.train.eval_every = 20
@@ -176,6 +179,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     for field in ("epochs", "eval_every", "save_every", "keep_checkpoints", "samples_every", "eval_n"):
         _check(t[field] >= 1, f"train.{field}", t[field], "must be >= 1")
     _check(t.max_steps == -1 or t.max_steps >= 1, "train.max_steps", t.max_steps, "must be -1 or >= 1")
+    longest = c.data.max_prompt_length + c.rollout.max_response_length
+    _check(t.max_tokens_per_micro_batch == 0 or t.max_tokens_per_micro_batch >= longest,
+           "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch,
+           f"must be 0 (auto) or hold the longest sequence, data.max_prompt_length + "
+           f"rollout.max_response_length = {longest}")
     _check(c.reward.workers >= 0, "reward.workers", c.reward.workers, "must be >= 0")
     _check(c.reward.timeout_s > 0, "reward.timeout_s", c.reward.timeout_s, "must be > 0")
     _check(not c.reward.fn or ":" in c.reward.fn, "reward.fn", c.reward.fn, "must be 'module:function' or ''")

@@ -102,6 +102,17 @@ def total_steps(config, iterator: BatchIterator) -> int:
     return config.train.max_steps if config.train.max_steps > 0 else config.train.epochs * iterator.steps_per_epoch
 
 
+def tokens_per_micro_batch(config, mesh) -> int:
+    """Tokens of one packed row (one row per data x fsdp device per micro-batch):
+    ``train.max_tokens_per_micro_batch``, or with 0 the dense micro-batch's per-device share,
+    micro_batch / (data x fsdp) x (max prompt + max response) rounded up to a multiple of 64."""
+    if config.train.max_tokens_per_micro_batch > 0:
+        return config.train.max_tokens_per_micro_batch
+    rows = max(1, config.train.micro_batch // shd.batch_divisor(mesh))
+    longest = config.data.max_prompt_length + config.rollout.max_response_length
+    return -(-rows * longest // 64) * 64
+
+
 def optimizer_steps_per_rl_step(config) -> int:
     passes = 2 if config.algo.lopti_eta else 1
     return passes * config.train.batch_prompts * config.rollout.n // config.train.mini_batch

@@ -101,11 +101,11 @@ def train(config) -> dict:
 
     sampler = Sampler(model_cfg, mesh)
     sampling = run_setup.sampling_config(config, policy)
-    micro = config.train.mini_batch // config.train.micro_batch
-    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, num_micro_batches=micro,
+    tokens_per_row = run_setup.tokens_per_micro_batch(config, mesh)
+    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, tokens_per_row=tokens_per_row,
                                        chunk_size=config.model.logprob_chunk)
     logprobs_fn = algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
-                                              num_micro_batches=micro, chunk_size=config.model.logprob_chunk)
+                                              tokens_per_row=tokens_per_row, chunk_size=config.model.logprob_chunk)
     reward_fn = load_reward_fn(config.reward.fn or None)
     evaluator = Evaluator(config, policy, sampler, test_sets, reward_fn)
     writer = MetricsWriter(run_dir)
@@ -144,18 +144,19 @@ def train(config) -> dict:
         # 2. verifiable rewards on host, for this process's responses
         with timer("reward"):
             texts, scores = score_rollout(config, reward_fn, tokenizer, rows[mine], rollout, n)
-        # process-local rows -> global arrays (unchanged with one process)
-        batch = dist.global_rows(rollout.train_batch(), mesh)
-        rewards, group_ids = dist.global_rows((scores, rollout.group_ids + mine.start), mesh)
+        # every process's rows -> the global batch on every process's host (packed for the update)
+        local = rollout.train_batch()
+        batch = dict(zip(local, dist.gather(*local.values())))
+        rewards, group_ids = dist.gather(scores, rollout.group_ids + mine.start)
         if config.rollout.recompute_old_logprobs:
-            old = logprobs_fn(params, batch)
-            batch["old_logprobs"] = (old if dist.is_multiprocess() else np.asarray(old)) * batch["response_mask"]
+            batch["old_logprobs"] = logprobs_fn(params, batch)
         # 3-4. advantages, token weights (AR / TR) and the Lopti split, as update passes
         passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, rewards, group_ids,
                                        batch["response_mask"], batch["old_logprobs"])
         if loss_cfg.use_kl:
             batch["ref_logprobs"] = logprobs_fn(ref_params, batch)
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
+        mark = len(train_step.padding)
         with timer("update"):
             params, opt_state, pass_metrics = algos.update_on_batch(
                 train_step, params, opt_state, batch, passes, config.train.mini_batch)
@@ -170,13 +171,14 @@ def train(config) -> dict:
                    **{f"time/{k}": v for k, v in seconds.items()},
                    "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
                    "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
+                   "throughput/update_padding": float(np.mean(train_step.padding[mark:])),
                    "train/epoch": iterator.epoch}
         util = mfu(model_cfg.num_params(), trained, seconds["update"])
         if util is not None:
             metrics["throughput/train_mfu"] = util
         writer.scalars(step + 1, metrics)
-        valid = dist.to_host(batch["response_mask"]).astype(bool)
-        writer.histogram(step + 1, "pi_old", np.exp(dist.to_host(batch["old_logprobs"])[valid]))
+        valid = batch["response_mask"].astype(bool)
+        writer.histogram(step + 1, "pi_old", np.exp(batch["old_logprobs"][valid]))
         if step % config.train.samples_every == 0:
             writer.text(step + 1, "samples", f"reward {scores[0]:.2f}\n\n```\n{texts[0]}\n```")
         history["reward"].append(float(all_scores.mean()))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arlopti_jax.algos import AGG_MODES, LossConfig, aggregate, kl_penalty, loss_denominator, policy_loss, ppo_clipped_loss
+from arlopti_jax.algos import AGG_MODES, LossConfig, aggregation_weights, kl_penalty, policy_loss, ppo_clipped_loss
 
 EL, EH, C = 0.2, 0.24, 3.0
 
@@ -90,7 +90,7 @@ def test_kl_estimators_match_numpy(kind):
 def test_aggregation_matches_numpy(mode):
     logp, old, adv, mask = _tokens(seed=2)
     x = np.random.default_rng(2).normal(size=mask.shape).astype(np.float32)
-    got = aggregate(x, mask, mode, loss_denominator(mask, mode))
+    got = (x.astype(np.float64) * aggregation_weights(mask, mode)).sum()
     np.testing.assert_allclose(float(got), np_agg(x.astype(np.float64), mask, mode), rtol=1e-5)
 
 
@@ -104,8 +104,9 @@ def test_policy_loss_matches_numpy(mode, kl_type):
     loss_mask = (mask * (rng.uniform(size=mask.shape) < 0.6)).astype(np.float32)  # a Lopti pass's tokens
     cfg = LossConfig(clip_low=EL, clip_high=EH, dual_clip=C, kl_coef=0.05, kl_type=kl_type, entropy_coef=0.01,
                      agg=mode)
-    batch = dict(advantages=adv, old_logprobs=old, response_mask=mask, loss_mask=loss_mask, ref_logprobs=ref)
-    loss, stats = policy_loss(cfg, jnp.asarray(logp), jnp.asarray(entropy), batch, loss_denominator(mask, mode))
+    batch = dict(advantages=adv, old_logprobs=old, response_mask=mask, loss_mask=loss_mask, ref_logprobs=ref,
+                 agg_weight=aggregation_weights(mask, mode))
+    loss, stats = policy_loss(cfg, jnp.asarray(logp), jnp.asarray(entropy), batch)
     pg, _, low, high, dual = np_ppo(logp, old, adv)
     kl = np_kl(logp, ref, kl_type) * loss_mask
     want = np_agg(pg, mask, mode) + 0.05 * np_agg(kl, mask, mode) - 0.01 * np_agg(entropy * loss_mask, mask, mode)
@@ -119,23 +120,23 @@ def test_policy_loss_matches_numpy(mode, kl_type):
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
-def test_micro_batch_sums_with_global_denominator_equal_the_whole_batch(mode):
+def test_micro_batch_sums_with_global_weights_equal_the_whole_batch(mode):
     """Cut into micro-batches with very uneven token counts, the sum of the micro-batch
-    contributions (global denominator) is the whole mini-batch's loss, and so is its
+    contributions (mini-batch-global weights) is the whole mini-batch's loss, and so is its
     gradient; verl's mean of per-micro-batch means is not."""
     logp, old, adv, mask = _tokens(seed=4)
     cfg = LossConfig(kl_coef=0.0, agg=mode, dual_clip=C)
-    batch = dict(advantages=adv, old_logprobs=old, response_mask=mask, loss_mask=mask)
+    batch = dict(advantages=adv, old_logprobs=old, response_mask=mask, loss_mask=mask,
+                 agg_weight=aggregation_weights(mask, mode))
 
     def whole(lp):
-        return policy_loss(cfg, lp, jnp.zeros_like(lp), batch, loss_denominator(mask, mode))[0]
+        return policy_loss(cfg, lp, jnp.zeros_like(lp), batch)[0]
 
     def accumulated(lp):
-        denom = loss_denominator(mask, mode)
         total = 0.0
         for rows in ([0], [1, 2, 3], [4, 5]):
             part = {k: v[rows] for k, v in batch.items()}
-            total = total + policy_loss(cfg, lp[jnp.asarray(rows)], jnp.zeros((len(rows), 10)), part, denom)[0]
+            total = total + policy_loss(cfg, lp[jnp.asarray(rows)], jnp.zeros((len(rows), 10)), part)[0]
         return total
 
     lp = jnp.asarray(logp)

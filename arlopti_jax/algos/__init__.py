@@ -8,22 +8,22 @@ One rollout batch, top to bottom (see ``train_step.update_on_batch``):
 from arlopti_jax.algos.advantages import (AdvantageConfig, advantage_estimators, compute_advantages,
                                           register_advantage_estimator)
 from arlopti_jax.algos.diagnostics import make_quartile_grad_norms, probability_quartiles, quartile_masks
-from arlopti_jax.algos.losses import (AGG_MODES, KL_ESTIMATORS, LossConfig, aggregate, kl_penalty, loss_denominator,
-                                      policy_loss, ppo_clipped_loss)
+from arlopti_jax.algos.losses import (AGG_MODES, KL_ESTIMATORS, LossConfig, aggregation_weights, kl_penalty, policy_loss,
+                                      ppo_clipped_loss)
 from arlopti_jax.algos.token_weights import (LoptiConfig, TokenWeightConfig, lopti_masks, lopti_threshold,
                                              prepare_updates, register_token_weighting, token_weightings,
                                              weight_advantages)
 from arlopti_jax.algos.train_step import (OptimConfig, TrainStep, current_lr, init_opt_state, make_compute_logprobs,
-                                          make_grad_fn, make_optimizer, make_schedule, make_train_step,
-                                          opt_state_shardings, update_on_batch)
+                                          make_optimizer, make_schedule, make_train_step, opt_state_shardings,
+                                          update_on_batch)
 
 __all__ = [
     "AdvantageConfig", "advantage_estimators", "compute_advantages", "register_advantage_estimator",
     "make_quartile_grad_norms", "probability_quartiles", "quartile_masks",
-    "AGG_MODES", "KL_ESTIMATORS", "LossConfig", "aggregate", "kl_penalty", "loss_denominator", "policy_loss",
+    "AGG_MODES", "KL_ESTIMATORS", "LossConfig", "aggregation_weights", "kl_penalty", "policy_loss",
     "ppo_clipped_loss",
     "LoptiConfig", "TokenWeightConfig", "lopti_masks", "lopti_threshold", "prepare_updates",
     "register_token_weighting", "token_weightings", "weight_advantages",
-    "OptimConfig", "TrainStep", "current_lr", "init_opt_state", "make_compute_logprobs", "make_grad_fn",
+    "OptimConfig", "TrainStep", "current_lr", "init_opt_state", "make_compute_logprobs",
     "make_optimizer", "make_schedule", "make_train_step", "opt_state_shardings", "update_on_batch",
 ]

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from arlopti_jax import sharding as shd
-from arlopti_jax.algos.losses import LossConfig
-from arlopti_jax.algos.train_step import BATCH_KEYS, check_batch, make_grad_fn
-from arlopti_jax.models import ModelConfig, param_shardings
+from arlopti_jax import distributed as dist
+from arlopti_jax.algos.train_step import TrainStep
 
 Array = jax.Array
 
@@ -52,30 +51,17 @@ def probability_quartiles(old_logprobs: Array, advantages: Array, response_mask:
     }
 
 
-def make_quartile_grad_norms(model_cfg: ModelConfig, loss_cfg: LossConfig, mesh, rules=shd.DEFAULT_RULES,
-                             num_micro_batches: int = 1, chunk_size: int = 256):
-    """``fn(params, batch) -> [4]`` gradient norms per pi_old quartile; ``batch`` as the
-    train step's (a mini-batch). Params are read, not donated."""
-    grads_fn = make_grad_fn(model_cfg, loss_cfg, mesh, rules, num_micro_batches, chunk_size)
-    keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
-    b_sh = shd.batch_sharding(mesh, 2)
+def make_quartile_grad_norms(step: TrainStep):
+    """``fn(params, batch) -> [4]`` gradient norms per pi_old quartile of the train step
+    ``step``'s loss; ``batch`` a dense mini-batch as the step's. Params are read, not donated."""
 
-    def fn(params, batch):
-        masks = quartile_masks(batch["old_logprobs"], batch["response_mask"])
-
-        def one(mask):
-            restricted = {**batch, "advantages": batch["advantages"] * mask, "loss_mask": batch["loss_mask"] * mask}
-            return grads_fn(params, restricted)[1]["grad_norm"]
-
-        return jax.lax.map(one, masks)
-
-    jitted = jax.jit(fn, in_shardings=(param_shardings(model_cfg, mesh, rules), b_sh),
-                     out_shardings=shd.replicated(mesh))
-
-    def quartile_grad_norms(params, batch) -> Array:
-        rows = num_micro_batches * shd.batch_divisor(mesh)
-        batch = jax.device_put(check_batch(batch, keys, rows), b_sh)
-        with shd.activate(mesh, rules):
-            return jitted(params, batch)
+    def quartile_grad_norms(params, batch) -> np.ndarray:
+        masks = np.asarray(quartile_masks(dist.to_host(batch["old_logprobs"]), dist.to_host(batch["response_mask"])))
+        norms = []
+        for mask in masks:
+            restricted = {**batch, "advantages": dist.to_host(batch["advantages"]) * mask,
+                          "loss_mask": dist.to_host(batch["loss_mask"]) * mask}
+            norms.append(float(step.gradient(params, restricted)[1]))
+        return np.asarray(norms, np.float32)
 
     return quartile_grad_norms

@@ -13,21 +13,19 @@ Lopti it equals the response mask) and kl_t one of the estimators in ``KL_ESTIMA
     k2 (alias mse)         0.5 * (logp - ref_logp)^2
     k3 (alias low_var_kl)  d = clamp(ref_logp - logp, -5, 5);  clamp(exp(d) - d - 1, -10, 10)
 
-Aggregation over the valid response tokens (``response_mask``, the denominator mask; Lopti
-leaves it unchanged, so excluded tokens still count in it):
+Aggregation over the valid response tokens (``response_mask``; Lopti leaves it unchanged, so
+excluded tokens still count in it) of a WHOLE mini-batch:
     token-mean           sum_{b,t} loss_bt / N_tokens
     seq-mean-token-mean  sum_b (sum_t loss_bt / n_b) / N_seqs
     seq-mean-token-sum   sum_b (sum_t loss_bt) / N_seqs
-N_tokens / N_seqs count the valid tokens / the rows with at least one valid token of the
-WHOLE mini-batch (rows without response tokens are batch padding and never counted).
-
-Gradient accumulation. The reference (verl's dp_actor) takes the token-mean of each
-micro-batch separately and averages the micro-batch losses (loss / grad_accum), so a
-token in a micro-batch with few valid tokens weighs more than one in a long micro-batch,
-and the result depends on how the mini-batch was cut. Here ``aggregate`` divides each
-micro-batch's SUM by the mini-batch-global denominator (``loss_denominator`` of the whole
-mini-batch), and the train step sums those contributions: the accumulated loss and
-gradient are exactly those of the whole mini-batch in one piece, for any micro-batching.
+N_tokens / N_seqs count the valid tokens / the rows with at least one valid token (rows
+without response tokens are batch padding and never counted). Each is a weighted sum
+sum_{b,t} w_bt * loss_bt with per-token weights ``aggregation_weights`` (1/N_tokens,
+1/(n_b N_seqs), 1/N_seqs) computed once per mini-batch; the loss takes them per token, so
+a micro-batch's contribution is its weighted sum, whatever rows or packed sequences it
+holds, and the accumulated loss and gradient are exactly those of the whole mini-batch.
+The reference (verl's dp_actor) instead averages per-micro-batch token means, which
+weights tokens unequally when micro-batches hold different numbers of tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -126,38 +125,36 @@ def ppo_clipped_loss(logp: Array, old_logp: Array, advantages: Array, clip_low: 
     return loss, info
 
 
-def loss_denominator(response_mask: Array, agg: str) -> Array:
-    """N_tokens (token-mean) or N_seqs (seq-mean-*) of a whole mini-batch."""
-    mask = response_mask.astype(jnp.float32)
+def aggregation_weights(response_mask, agg: str) -> np.ndarray:
+    """Per-token weights [B, T] (float32) of a whole mini-batch: sum(w * loss) is its ``agg``
+    aggregate of the per-token loss (see the module docstring)."""
+    mask = np.asarray(response_mask, np.float32)
     if agg == "token-mean":
-        return mask.sum()
-    return (mask.sum(-1) > 0).astype(jnp.float32).sum()
-
-
-def aggregate(values: Array, response_mask: Array, agg: str, denominator: Array) -> Array:
-    """This (micro-)batch's share of the mini-batch aggregate: its sum over tokens (or per-
-    sequence means/sums) divided by the mini-batch-global ``denominator``."""
-    mask = response_mask.astype(jnp.float32)
-    per_seq = (values * mask).sum(-1)
+        return mask / max(float(mask.sum()), 1.0)
+    n_seqs = max(float((mask.sum(-1) > 0).sum()), 1.0)
     if agg == "seq-mean-token-mean":
-        per_seq = per_seq / jnp.maximum(mask.sum(-1), 1.0)
-    return per_seq.sum() / jnp.maximum(denominator, 1.0)
+        return mask / np.maximum(mask.sum(-1, keepdims=True), 1.0) / n_seqs
+    if agg == "seq-mean-token-sum":
+        return mask / n_seqs
+    raise ValueError(f"unknown aggregation {agg!r}: allowed {list(AGG_MODES)}")
 
 
-def policy_loss(cfg: LossConfig, logp: Array, entropy: Array, batch: dict[str, Array],
-                denominator: Array) -> tuple[Array, dict[str, Array]]:
-    """This micro-batch's contribution to the mini-batch loss, and metric SUMS over its
-    valid response tokens (the train step divides them by the mini-batch token count).
+def policy_loss(cfg: LossConfig, logp: Array, entropy: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    """The weighted sum of the per-token loss over these tokens (a micro-batch's share of the
+    mini-batch loss), and metric SUMS over its valid response tokens (the train step divides
+    them by the mini-batch token count). Any shape, all arrays alike.
 
-    batch: ``advantages``, ``old_logprobs``, ``response_mask``, ``loss_mask``, and
-    ``ref_logprobs`` when ``cfg.kl_coef != 0``.
+    batch: ``advantages``, ``old_logprobs``, ``response_mask`` (valid tokens), ``loss_mask``
+    (the pass's tokens: KL and entropy apply there), ``agg_weight`` (``aggregation_weights``
+    of the mini-batch), and ``ref_logprobs`` when ``cfg.kl_coef != 0``.
     """
     mask = batch["response_mask"].astype(jnp.float32)
-    kl_mask = batch["loss_mask"].astype(jnp.float32) * mask
+    weight = batch["agg_weight"].astype(jnp.float32) * mask
+    kl_weight = batch["loss_mask"].astype(jnp.float32) * weight
     pg, info = ppo_clipped_loss(logp, batch["old_logprobs"], batch["advantages"],
                                 cfg.clip_low, cfg.clip_high, cfg.dual_clip)
-    pg_loss = aggregate(pg, mask, cfg.agg, denominator)
-    entropy_loss = aggregate(entropy * kl_mask, mask, cfg.agg, denominator)
+    pg_loss = (pg * weight).sum()
+    entropy_loss = (entropy * kl_weight).sum()
     loss = pg_loss - cfg.entropy_coef * entropy_loss
     stats = {
         "pg_loss": pg_loss,
@@ -172,7 +169,7 @@ def policy_loss(cfg: LossConfig, logp: Array, entropy: Array, batch: dict[str, A
     }
     if cfg.use_kl:
         kl = kl_penalty(logp, batch["ref_logprobs"], cfg.kl_type)
-        kl_loss = aggregate(kl * kl_mask, mask, cfg.agg, denominator)
+        kl_loss = (kl * kl_weight).sum()
         loss = loss + cfg.kl_coef * kl_loss
         stats.update(kl_loss=kl_loss, kl_sum=(kl * mask).sum())
     stats["loss"] = loss

@@ -1,24 +1,27 @@
-"""The jitted, sharded policy update: one optimizer step per mini-batch.
+"""The jitted, sharded policy update: one optimizer step per mini-batch, on packed rows.
 
     opt = make_optimizer(OptimConfig(lr=1e-6))
     opt_state = init_opt_state(opt, model_cfg, params, mesh)
-    step = make_train_step(model_cfg, LossConfig(), opt, mesh, num_micro_batches=4)
+    step = make_train_step(model_cfg, LossConfig(), opt, mesh, tokens_per_row=4096)
     params, opt_state, metrics = step(params, opt_state, mini_batch)
 
-``mini_batch`` is a dict of [M, T] arrays aligned with ``input_ids`` (see ``BATCH_KEYS``):
-input_ids int32, attention_mask int32, response_mask (1 on response tokens), old_logprobs
-f32, advantages f32 (token-level: estimator, weighting and Lopti mask already applied),
-loss_mask f32 (the pass's tokens, where KL/entropy apply; the response mask without
-Lopti), and ref_logprobs f32 when ``loss_cfg.kl_coef != 0`` (from ``make_compute_logprobs``
-with the reference params, once per rollout batch; never computed otherwise).
+``mini_batch`` is a dict of dense [M, T] host arrays aligned with ``input_ids`` (see
+``BATCH_KEYS``): input_ids, attention_mask (each row's tokens contiguous: a left-padded prompt
+and a right-padded response), response_mask (1 on response tokens), old_logprobs,
+advantages (token-level: estimator, weighting and Lopti mask already applied), loss_mask (the
+pass's tokens, where KL/entropy apply; the response mask without Lopti), and ref_logprobs
+when ``loss_cfg.kl_coef != 0`` (``make_compute_logprobs`` with the reference params, once per
+rollout batch).
 
-Inside one jit (params and optimizer state donated, explicit in/out shardings): the
-mini-batch is cut into ``num_micro_batches`` micro-batches (micro-batch j = rows j, j + k,
-j + 2k, ...: with the batch sharded over data x fsdp each device keeps its own rows), a
-``lax.scan`` accumulates their gradients, each micro-batch's loss being its sum divided by
-the mini-batch-global denominator (see ``losses``) so the accumulated gradient is exactly
-that of the whole mini-batch. Then global-norm clipping and AdamW. The step compiles once
-per mini-batch shape.
+Cost follows the real tokens (``packing``): the mini-batch's sequences are packed into
+micro-batches of one ``tokens_per_row`` row per data x fsdp device; the model runs on the
+packed rows (attention within each sequence) and the vocabulary projection only at response
+positions. For each micro-batch a jitted function adds its gradient to an accumulator
+(donated, sharded like the params); a second one clips, applies AdamW and reports the
+metrics. Each token's loss carries its mini-batch aggregation weight
+(``losses.aggregation_weights``), so the accumulated gradient is exactly the whole
+mini-batch's, however its sequences were packed. The functions compile once per attention
+block size of the packing (a handful) and never per step.
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
+from arlopti_jax import distributed as dist
 from arlopti_jax import sharding as shd
-from arlopti_jax.algos.losses import LossConfig, loss_denominator, policy_loss
-from arlopti_jax.models import ModelConfig, abstract_params, param_shardings, token_logprobs
+from arlopti_jax.algos import packing
+from arlopti_jax.algos.losses import LossConfig, aggregation_weights, policy_loss
+from arlopti_jax.models import ModelConfig, abstract_params, packed_hidden_states, param_shardings, target_logprobs
+from arlopti_jax.models.policy import unembed_matrix
 
 Array = jax.Array
 BATCH_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "advantages", "loss_mask")
+TARGET_KEYS = ("old_logprobs", "advantages", "loss_mask", "response_mask", "agg_weight")  # + ref_logprobs
 SCHEDULES = ("constant", "warmup_cosine")
 
 
@@ -120,155 +126,199 @@ def init_opt_state(optimizer: optax.GradientTransformation, model_cfg: ModelConf
     return _jitted_init(optimizer, model_cfg, mesh, rules)(params)
 
 
-def split_micro_batches(x: Array, k: int, mesh) -> Array:
-    """[M, ...] -> [k, M / k, ...] with micro-batch j = rows j, j + k, ... (device-local)."""
-    x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
-    spec = P(None, shd.BATCH_AXES, *([None] * (x.ndim - 2)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+def _put(x: np.ndarray, sharding) -> Array:
+    """A host array that every process holds whole -> a global array in ``sharding``."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def merge_micro_batches(x: Array) -> Array:
-    """Inverse of ``split_micro_batches``."""
-    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def check_batch(batch: dict, keys: tuple[str, ...], rows_multiple: int) -> dict:
+def _dense_host(batch: dict[str, Any], keys: Sequence[str]) -> dict[str, np.ndarray]:
     missing = [k for k in keys if k not in batch]
     if missing:
         raise KeyError(f"train batch is missing {missing} (needs {list(keys)})")
-    rows = batch[keys[0]].shape[0]
-    if rows % rows_multiple:
-        raise ValueError(f"mini-batch of {rows} rows: must be a multiple of {rows_multiple} "
-                         "(num_micro_batches x data x fsdp devices)")
-    return {k: batch[k] for k in keys}
+    return {k: dist.to_host(batch[k]) for k in keys}
 
 
-def make_grad_fn(model_cfg: ModelConfig, loss_cfg: LossConfig, mesh, rules=shd.DEFAULT_RULES,
-                 num_micro_batches: int = 1, chunk_size: int = 256):
-    """Traceable ``grads(params, batch) -> (grads, metrics)``: the exact mini-batch gradient
-    accumulated over micro-batches, and the loss metrics (token means over the mini-batch).
-    Call it inside ``jit`` under ``sharding.activate(mesh, rules)``."""
-    k = num_micro_batches
-    p_sh = param_shardings(model_cfg, mesh, rules)
+class PerBlock:
+    """``jax.jit`` of ``fn(*args, block)`` with one compiled program per attention block size
+    (``block`` static; jit takes no static keyword arguments together with shardings)."""
 
-    def micro_loss(params, mb, denom):
-        logp, ent = token_logprobs(model_cfg, params, mb["input_ids"], mb["attention_mask"],
-                                   temperature=loss_cfg.temperature, chunk_size=chunk_size)
-        return policy_loss(loss_cfg, logp, ent, mb, denom)
+    def __init__(self, fn, **jit_kwargs):
+        self.fn, self.jit_kwargs, self.jitted = fn, jit_kwargs, {}
 
-    def grads_fn(params, batch):
-        denom = loss_denominator(batch["response_mask"], loss_cfg.agg)
-        n_tok = jnp.maximum(batch["response_mask"].astype(jnp.float32).sum(), 1.0)
-        micro = {name: split_micro_batches(x, k, mesh) for name, x in batch.items()}
-        vg = jax.value_and_grad(micro_loss, has_aux=True)
-        stats_shape = jax.eval_shape(lambda: micro_loss(params, jax.tree.map(lambda x: x[0], micro), denom)[1])
-        init_stats = {n: jnp.full(s.shape, -jnp.inf if n == "ratio_max" else 0.0, s.dtype)
-                      for n, s in stats_shape.items()}
-        init_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        init = (jax.lax.with_sharding_constraint(init_grads, p_sh), init_stats)
+    def __call__(self, *args, block: int):
+        if block not in self.jitted:
+            self.jitted[block] = jax.jit(functools.partial(self.fn, block=block), **self.jit_kwargs)
+        return self.jitted[block](*args)
 
-        def body(carry, mb):
-            g_acc, s_acc = carry
-            (_, stats), g = vg(params, mb, denom)
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            s_acc = {n: jnp.maximum(s_acc[n], v) if n == "ratio_max" else s_acc[n] + v for n, v in stats.items()}
-            return (jax.lax.with_sharding_constraint(g_acc, p_sh), s_acc), None
+    def num_compilations(self) -> int:
+        return sum(f._cache_size() for f in self.jitted.values())
 
-        (grads, s), _ = jax.lax.scan(body, init, micro)
-        metrics = {n: s[n] for n in ("loss", "pg_loss", "entropy_loss", "ratio_max")}
-        for name in ("entropy", "ppo_kl", "clipfrac_low", "clipfrac_high", "dual_clipfrac"):
-            metrics[name] = s[f"{name}_sum"] / n_tok
-        metrics["ratio_mean"] = s["ratio_sum"] / n_tok
-        if loss_cfg.use_kl:
-            metrics["kl_loss"] = s["kl_loss"]
-            metrics["kl"] = s["kl_sum"] / n_tok
-        metrics["n_tokens"] = n_tok
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        # accumulated in f32; handed to the optimizer in the params' dtype so its state keeps its dtype
-        return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metrics
 
-    return grads_fn
+class PackedModel:
+    """Forward passes of one packed micro-batch (``packing.gather`` arrays on device):
+    per-target log-probs and entropies [R, L]."""
+
+    def __init__(self, model_cfg: ModelConfig, temperature: float, chunk_size: int):
+        self.cfg, self.temperature, self.chunk_size = model_cfg, temperature, chunk_size
+
+    def __call__(self, params, mb: dict[str, Array], block: int, entropy_grad: bool = True):
+        hidden = packed_hidden_states(self.cfg, params, mb["input_ids"], mb["positions"], mb["segment_ids"], block)
+        return target_logprobs(unembed_matrix(self.cfg, params), hidden, mb["target_pos"], mb["target_ids"],
+                               mb["target_mask"], self.temperature, self.chunk_size, entropy_grad=entropy_grad)
+
+
+def _stat_names(use_kl: bool) -> tuple[str, ...]:
+    names = ("loss", "pg_loss", "entropy_loss", "entropy_sum", "ppo_kl_sum", "ratio_sum", "ratio_max",
+             "clipfrac_low_sum", "clipfrac_high_sum", "dual_clipfrac_sum")
+    return names + (("kl_loss", "kl_sum") if use_kl else ())
+
+
+def _finish_metrics(stats: dict[str, Array], n_tok: Array, use_kl: bool) -> dict[str, Array]:
+    metrics = {n: stats[n] for n in ("loss", "pg_loss", "entropy_loss", "ratio_max")}
+    for name in ("entropy", "ppo_kl", "clipfrac_low", "clipfrac_high", "dual_clipfrac"):
+        metrics[name] = stats[f"{name}_sum"] / n_tok
+    metrics["ratio_mean"] = stats["ratio_sum"] / n_tok
+    if use_kl:
+        metrics["kl_loss"] = stats["kl_loss"]
+        metrics["kl"] = stats["kl_sum"] / n_tok
+    metrics["n_tokens"] = n_tok
+    return metrics
 
 
 class TrainStep:
-    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``; see module doc.
-    The caller's ``params``/``opt_state`` are donated (invalid after the call)."""
+    """``step(params, opt_state, mini_batch) -> (params, opt_state, metrics)``; see the module
+    docstring. The caller's ``params``/``opt_state`` are donated (invalid after the call).
+    ``tokens_per_row`` must hold the longest prompt + response."""
 
     def __init__(self, model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                 mesh, rules=shd.DEFAULT_RULES, num_micro_batches: int = 1, chunk_size: int = 256):
-        if num_micro_batches < 1:
-            raise ValueError(f"num_micro_batches={num_micro_batches}: must be >= 1")
+                 mesh, rules=shd.DEFAULT_RULES, *, tokens_per_row: int, chunk_size: int = 256):
+        if tokens_per_row < 2:
+            raise ValueError(f"tokens_per_row={tokens_per_row}: must be >= 2")
         self.mesh, self.rules, self.loss_cfg = mesh, rules, loss_cfg
-        self.num_micro_batches = num_micro_batches
+        self.tokens_per_row, self.num_rows = tokens_per_row, shd.batch_divisor(mesh)
         self.keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
-        self.batch_sharding = shd.batch_sharding(mesh, 2)
-        grads_fn = make_grad_fn(model_cfg, loss_cfg, mesh, rules, num_micro_batches, chunk_size)
+        self.row_sharding = shd.batch_sharding(mesh, 2)
+        self.model = PackedModel(model_cfg, loss_cfg.temperature, chunk_size)
+        self.padding = []  # padding fraction of each step's packed slots (the benchmarks read it)
+        use_kl, entropy_grad = loss_cfg.use_kl, loss_cfg.entropy_coef != 0
+        names = _stat_names(use_kl)
         p_sh = param_shardings(model_cfg, mesh, rules)
         o_sh = opt_state_shardings(optimizer, model_cfg, mesh, rules)
+        rep = shd.replicated(mesh)
+        acc_sh = (p_sh, {n: rep for n in names})
 
-        def step(params, opt_state, batch):
-            grads, metrics = grads_fn(params, batch)
+        def micro_loss(params, mb, block):
+            logp, ent = self.model(params, mb, block, entropy_grad)
+            targets = {k: mb[k] for k in TARGET_KEYS + (("ref_logprobs",) if use_kl else ())}
+            return policy_loss(loss_cfg, logp, ent, targets)
+
+        def zeros(params):
+            grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            return grads, {n: jnp.full((), -jnp.inf if n == "ratio_max" else 0.0, jnp.float32) for n in names}
+
+        def accumulate(params, acc, mb, block):
+            (_, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb, block)
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[0], g)
+            merged = {n: jnp.maximum(acc[1][n], v) if n == "ratio_max" else acc[1][n] + v for n, v in stats.items()}
+            return grads, merged
+
+        def apply(params, opt_state, acc, n_tok):
+            grads, stats = acc
+            metrics = _finish_metrics(stats, n_tok, use_kl)
+            metrics["grad_norm"] = optax.tree.norm(grads)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             metrics["lr"] = current_lr(opt_state)
             return params, opt_state, metrics
 
-        self._jitted = jax.jit(step, in_shardings=(p_sh, o_sh, self.batch_sharding),
-                               out_shardings=(p_sh, o_sh, shd.replicated(mesh)), donate_argnums=(0, 1))
+        self._zeros = jax.jit(zeros, in_shardings=(p_sh,), out_shardings=acc_sh)
+        self._accumulate = PerBlock(accumulate, donate_argnums=(1,), in_shardings=(p_sh, acc_sh, self.row_sharding),
+                                    out_shardings=acc_sh)
+        self._apply = jax.jit(apply, donate_argnums=(0, 1), in_shardings=(p_sh, o_sh, acc_sh, rep),
+                              out_shardings=(p_sh, o_sh, rep))
+
+    def plan(self, batch: dict[str, np.ndarray], rows) -> list[packing.MicroBatch]:
+        return packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], rows,
+                                          tokens_per_row=self.tokens_per_row, num_rows=self.num_rows)
+
+    def _accumulated(self, params, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
+        """(gradient accumulator, n_tokens) of the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
+        rows = np.asarray(rows)
+        weight = np.zeros(batch["response_mask"].shape, np.float32)
+        weight[rows] = aggregation_weights(batch["response_mask"][rows], self.loss_cfg.agg)
+        targets = {k: batch[k] for k in TARGET_KEYS[:-1] + (("ref_logprobs",) if self.loss_cfg.use_kl else ())}
+        targets.update(agg_weight=weight, target_ids=batch["input_ids"])
+        n_tok = np.float32(max(float(batch["response_mask"][rows].sum()), 1.0))
+        self.padding.append(packing.padding_fraction(micro_batches))
+        with shd.activate(self.mesh, self.rules):
+            acc = self._zeros(params)
+            for mb in micro_batches:
+                arrays = packing.gather(mb, {"input_ids": batch["input_ids"]}, targets)
+                arrays = {k: _put(v, self.row_sharding) for k, v in arrays.items()}
+                acc = self._accumulate(params, acc, arrays, block=mb.block)
+        return acc, n_tok
+
+    def run(self, params, opt_state, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
+        """One optimizer step on the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
+        acc, n_tok = self._accumulated(params, batch, rows, micro_batches)
+        with shd.activate(self.mesh, self.rules):
+            return self._apply(params, opt_state, acc, n_tok)
+
+    def gradient(self, params, batch: dict[str, Any]):
+        """(gradient tree float32, its global norm) of the mini-batch loss; params are read, not donated."""
+        batch = _dense_host(batch, self.keys)
+        rows = np.arange(batch["input_ids"].shape[0])
+        (grads, _), _ = self._accumulated(params, batch, rows, self.plan(batch, rows))
+        return grads, optax.tree.norm(grads)
 
     def __call__(self, params, opt_state, batch: dict[str, Any]):
-        rows = self.num_micro_batches * shd.batch_divisor(self.mesh)
-        batch = jax.device_put(check_batch(batch, self.keys, rows), self.batch_sharding)
-        with shd.activate(self.mesh, self.rules):
-            return self._jitted(params, opt_state, batch)
+        batch = _dense_host(batch, self.keys)
+        rows = np.arange(batch["input_ids"].shape[0])
+        return self.run(params, opt_state, batch, rows, self.plan(batch, rows))
 
     def num_compilations(self) -> int:
-        """How many shapes this step has been compiled for."""
-        return self._jitted._cache_size()
+        """How many programs this step has compiled (one per attention block size, plus one)."""
+        return self._accumulate.num_compilations() + self._apply._cache_size()
 
 
 def make_train_step(model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                    mesh, rules=shd.DEFAULT_RULES, num_micro_batches: int = 1, chunk_size: int = 256) -> TrainStep:
-    return TrainStep(model_cfg, loss_cfg, optimizer, mesh, rules, num_micro_batches, chunk_size)
+                    mesh, rules=shd.DEFAULT_RULES, *, tokens_per_row: int, chunk_size: int = 256) -> TrainStep:
+    return TrainStep(model_cfg, loss_cfg, optimizer, mesh, rules, tokens_per_row=tokens_per_row,
+                     chunk_size=chunk_size)
 
 
 def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES, *, temperature: float = 1.0,
-                          num_micro_batches: int = 1, chunk_size: int = 256):
-    """Jitted ``compute_logprobs(params, batch) -> logp [B, T]`` (f32, aligned with input_ids,
-    column 0 = 0) from ``batch['input_ids']`` and ``batch['attention_mask']``, in
-    ``num_micro_batches`` sequential pieces. Use it with the reference params for
+                          tokens_per_row: int, chunk_size: int = 256):
+    """``compute_logprobs(params, batch) -> logp`` [B, T] host float32: log pi(input_ids[:, t] |
+    input_ids[:, :t]) at the response positions (``batch['response_mask']``), 0 elsewhere, from
+    ``input_ids`` and ``attention_mask``, on packed rows. Use it with the reference params for
     ``ref_logprobs`` (only when kl_coef != 0) and with the policy params to recompute
     ``old_logprobs``."""
-    p_sh = param_shardings(model_cfg, mesh, rules)
-    b_sh = shd.batch_sharding(mesh, 2)
-    k = num_micro_batches
+    model = PackedModel(model_cfg, temperature, chunk_size)
+    row_sharding = shd.batch_sharding(mesh, 2)
+    jitted = PerBlock(lambda params, mb, block: model(params, mb, block, entropy_grad=False)[0],
+                      in_shardings=(param_shardings(model_cfg, mesh, rules), row_sharding),
+                      out_shardings=shd.replicated(mesh))
 
-    def fn(params, input_ids, attention_mask):
-        def one(xs):
-            return token_logprobs(model_cfg, params, *xs, temperature=temperature, chunk_size=chunk_size)[0]
-        xs = (split_micro_batches(input_ids, k, mesh), split_micro_batches(attention_mask, k, mesh))
-        return merge_micro_batches(jax.lax.map(one, xs))
-
-    jitted = jax.jit(fn, in_shardings=(p_sh, b_sh, b_sh), out_shardings=b_sh)
-
-    def compute_logprobs(params, batch: dict[str, Any]) -> Array:
-        ids, mask = jax.device_put((batch["input_ids"], batch["attention_mask"]), b_sh)
-        if ids.shape[0] % (k * shd.batch_divisor(mesh)):
-            raise ValueError(f"batch of {ids.shape[0]} rows: must be a multiple of "
-                             f"{k * shd.batch_divisor(mesh)} (num_micro_batches x data x fsdp)")
+    def compute_logprobs(params, batch: dict[str, Any]) -> np.ndarray:
+        dense = _dense_host(batch, ("input_ids", "attention_mask", "response_mask"))
+        shape = dense["input_ids"].shape
+        plan = packing.plan_micro_batches(dense["attention_mask"], dense["response_mask"], np.arange(shape[0]),
+                                          tokens_per_row=tokens_per_row, num_rows=shd.batch_divisor(mesh))
+        values = []
         with shd.activate(mesh, rules):
-            return jitted(params, ids, mask)
+            for mb in plan:
+                arrays = packing.gather(mb, {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]})
+                arrays = {k: _put(v, row_sharding) for k, v in arrays.items()}
+                values.append(jitted(params, arrays, block=mb.block))
+        return packing.scatter_targets(plan, [np.asarray(v) for v in jax.device_get(values)], shape)
 
     compute_logprobs.jitted = jitted
     return compute_logprobs
 
 
 # ---- one rollout batch: every pass over every mini-batch ----
-
-@functools.lru_cache(maxsize=8)
-def _row_taker(sharding: NamedSharding):
-    return jax.jit(lambda tree, idx: jax.tree.map(lambda x: jnp.take(x, idx, axis=0), tree), out_shardings=sharding)
-
 
 def _reduce_metrics(per_step: list[dict[str, Any]]) -> dict[str, float]:
     out = {}
@@ -285,27 +335,32 @@ def update_on_batch(step: TrainStep, params, opt_state, batch: dict[str, Any],
     in order, one optimizer step per mini-batch over the whole batch. pi_old
     (``batch['old_logprobs']``) is the sampling policy's throughout: not recomputed between
     passes. Mini-batches are taken in row order, or in a permutation drawn from
-    ``fold_in(shuffle_key, pass_index)``.
+    ``fold_in(shuffle_key, pass_index)``. Each mini-batch is packed once; the passes reuse
+    the packing.
 
     batch: [B, T] rollout arrays ``input_ids``, ``attention_mask``, ``response_mask``,
-    ``old_logprobs`` (+ ``ref_logprobs`` when the KL is on); B a multiple of mini_batch_size.
+    ``old_logprobs`` (+ ``ref_logprobs`` when the KL is on); host arrays, or global arrays
+    (gathered to every process here). B a multiple of mini_batch_size.
     Returns ``(params, opt_state, [metrics of pass 0, metrics of pass 1, ...])``, each the mean
     over the pass's optimizer steps (``ratio_max``: the max), as Python floats.
     """
-    rows = batch["input_ids"].shape[0]
+    base = _dense_host(batch, tuple(k for k in step.keys if k not in ("advantages", "loss_mask")))
+    rows = base["input_ids"].shape[0]
     if rows % mini_batch_size:
         raise ValueError(f"rollout batch of {rows} rows is not a multiple of mini_batch_size={mini_batch_size}")
-    take = _row_taker(step.batch_sharding)
+    plans: dict[tuple, list] = {}
     results = []
     for i, (advantages, loss_mask) in enumerate(passes):
-        full = {**batch, "advantages": advantages, "loss_mask": loss_mask}
-        full = jax.device_put(check_batch(full, step.keys, 1), step.batch_sharding)
+        full = {**base, "advantages": dist.to_host(advantages), "loss_mask": dist.to_host(loss_mask)}
         order = np.arange(rows) if shuffle_key is None else np.asarray(
             jax.random.permutation(jax.random.fold_in(shuffle_key, i), rows))
         per_step = []
         for j in range(rows // mini_batch_size):
-            mini = take(full, jnp.asarray(order[j * mini_batch_size:(j + 1) * mini_batch_size]))
-            params, opt_state, metrics = step(params, opt_state, mini)
+            mini = order[j * mini_batch_size:(j + 1) * mini_batch_size]
+            key = tuple(mini.tolist())
+            if key not in plans:
+                plans[key] = step.plan(full, mini)
+            params, opt_state, metrics = step.run(params, opt_state, full, mini, plans[key])
             per_step.append(metrics)
         results.append(_reduce_metrics(jax.device_get(per_step)))
     return params, opt_state, results

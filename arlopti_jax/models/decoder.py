@@ -14,6 +14,13 @@ valid. The whole cache rides in the layer scan's carry and layer i updates only 
 slots in place, so a decode step reads the cache once and writes T slots per layer (a
 per-layer cache slice as scan input/output would be copied whole every step). Without a cache, keys are the call's own tokens and ``kv_mask`` is the
 attention mask.
+
+Packed rows (the trainer's update and log-prob passes): ``segment_ids`` [B, T] number the
+sequences packed into each row (0 = padding) and ``positions`` restart at 0 in each one; a
+token attends to the earlier tokens of its own segment. With ``block`` > 0 the row is cut
+into query blocks of ``block`` tokens, and each block attends only to itself and the two
+blocks before it (``segment_mask``): exact whenever no segment is longer than 2 * block,
+and the attention then costs 3 * block keys per token instead of the row length.
 """
 
 from __future__ import annotations
@@ -109,7 +116,10 @@ class Attention(nn.Module):
             kk = jax.lax.dynamic_index_in_dim(cache["k"], layer, 0, keepdims=False).astype(dt)
             v = jax.lax.dynamic_index_in_dim(cache["v"], layer, 0, keepdims=False).astype(dt)
 
-        out = jax.nn.dot_product_attention(q, kk, v, mask=mask, scale=1.0 / math.sqrt(h))
+        if mask.ndim == 5:  # packed rows in query blocks (see segment_mask)
+            out = blocked_attention(q, kk, v, mask, scale=1.0 / math.sqrt(h))
+        else:
+            out = jax.nn.dot_product_attention(q, kk, v, mask=mask, scale=1.0 / math.sqrt(h))
         wo = _param(self, "o_kernel", init, (n, h, d), ("heads", "head_dim", "embed"), pdt)
         return jnp.einsum("btnh,nhd->btd", out, wo.astype(dt)), cache
 
@@ -154,6 +164,50 @@ def attention_mask(kv_mask: Array, q_len: int, cache_index) -> Array:
     return (causal[None, None] & kv_mask[:, None, None, :].astype(bool))
 
 
+BLOCK_LOOKBACK = 2  # earlier query blocks a packed block attends to (the window is 2 blocks long)
+
+
+def _block_windows(x: Array, block: int, fill) -> Array:
+    """[B, T, ...] -> [B, T / block, (BLOCK_LOOKBACK + 1) * block, ...]: for each query block, the
+    positions of the BLOCK_LOOKBACK blocks before it and its own (``fill`` before the row start)."""
+    b, t = x.shape[:2]
+    pad = [(0, 0), (BLOCK_LOOKBACK * block, 0)] + [(0, 0)] * (x.ndim - 2)
+    blocks = jnp.pad(x, pad, constant_values=fill).reshape(b, t // block + BLOCK_LOOKBACK, block, *x.shape[2:])
+    n = t // block
+    return jnp.concatenate([blocks[:, s:s + n] for s in range(BLOCK_LOOKBACK + 1)], axis=2)
+
+
+def segment_mask(segment_ids: Array, block: int = 0) -> Array:
+    """Causal attention within packed segments. ``block`` = 0: a boolean [B, 1, T, T] mask.
+    ``block`` > 0 (dividing T): a [B, T / block, 1, block, 3 * block] mask of each query block
+    over its key window (``blocked_attention``), exact when no segment exceeds 2 * block tokens.
+    Padding tokens (segment 0) see themselves only, so no softmax row is empty."""
+    b, t = segment_ids.shape
+    slot = jnp.arange(t)
+    if not block:
+        q_seg, k_seg, q_slot, k_slot = segment_ids[:, :, None], segment_ids[:, None, :], slot[:, None], slot[None]
+        same = (q_seg == k_seg) & (k_slot <= q_slot) & (k_seg > 0)
+        return (same | (k_slot == q_slot))[:, None]
+    n = t // block
+    q_seg = segment_ids.reshape(b, n, block)[..., :, None]
+    k_seg = _block_windows(segment_ids, block, 0)[:, :, None, :]
+    q_slot = slot.reshape(n, block)[None, :, :, None]
+    k_slot = _block_windows(slot[None], block, -1)[:, :, None, :]
+    same = (q_seg == k_seg) & (k_slot <= q_slot) & (k_seg > 0)
+    return (same | (k_slot == q_slot))[:, :, None]
+
+
+def blocked_attention(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+    """Attention of query blocks over their key windows. q [B, T, N, H]; k, v [B, T, K, H];
+    mask [B, T / block, 1, block, 3 * block] from ``segment_mask``."""
+    b, t, n, h = q.shape
+    nb, block = mask.shape[1], mask.shape[3]
+    kw, vw = (_block_windows(x, block, 0).reshape(b * nb, -1, *x.shape[2:]) for x in (k, v))
+    out = jax.nn.dot_product_attention(q.reshape(b * nb, block, n, h), kw, vw,
+                                       mask=mask.reshape(b * nb, 1, block, -1), scale=scale)
+    return out.reshape(b, t, n, h)
+
+
 class Decoder(nn.Module):
     """Returns final-norm hidden states [B, T, D] and the updated cache (or None)."""
 
@@ -179,10 +233,13 @@ class Decoder(nn.Module):
                 "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
                 (cfg.hidden_size, cfg.vocab_size), cfg.weight_dtype)
 
-    def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0):
+    def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, segment_ids=None, block=0):
         x = jnp.take(self.embedding, tokens, axis=0).astype(self.cfg.compute_dtype)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-        mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
+        if segment_ids is not None:
+            mask = segment_mask(segment_ids, block)
+        else:
+            mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         (x, new_cache), _ = self.layers((x, cache), layers, positions, mask, cache_index)
         return self.final_norm(x), new_cache

@@ -66,6 +66,15 @@ def hidden_states(cfg: ModelConfig, params, input_ids: Array, attention_mask: Ar
     return hidden
 
 
+def packed_hidden_states(cfg: ModelConfig, params, tokens: Array, positions: Array, segment_ids: Array,
+                         block: int = 0) -> Array:
+    """Final-norm hidden states [B, T, D] of packed rows: several sequences per row, numbered
+    by ``segment_ids`` (0 = padding), ``positions`` restarting at 0 in each (see
+    ``decoder.segment_mask`` for ``block``)."""
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, None, segment_ids=segment_ids, block=block)
+    return hidden
+
+
 def unembed_matrix(cfg: ModelConfig, params) -> Array:
     return params["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
 
@@ -78,13 +87,46 @@ def logits(cfg: ModelConfig, params, input_ids: Array, attention_mask: Array) ->
                       preferred_element_type=jnp.float32)
 
 
-def _chunk_logprobs(w: Array, temperature: float, h: Array, targets: Array):
+def _chunk_logprobs(w: Array, temperature: float, h: Array, targets: Array, entropy_grad: bool = True):
     logit = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32) / temperature
     lse = jax.nn.logsumexp(logit, axis=-1)
     picked = jnp.take_along_axis(logit, targets[..., None], axis=-1)[..., 0]
-    probs = jnp.exp(logit - lse[..., None])
-    entropy = lse - jnp.sum(probs * logit, axis=-1)
+    ent_in = (logit, lse) if entropy_grad else jax.lax.stop_gradient((logit, lse))
+    probs = jnp.exp(ent_in[0] - ent_in[1][..., None])
+    entropy = ent_in[1] - jnp.sum(probs * ent_in[0], axis=-1)
     return picked - lse, entropy
+
+
+def target_logprobs(w: Array, hidden: Array, target_pos: Array, target_ids: Array, active: Array,
+                    temperature: float = 1.0, chunk_size: int = 256,
+                    entropy_grad: bool = True) -> tuple[Array, Array]:
+    """log pi and entropy [B, K] of chosen targets only: target k of row b is token
+    ``target_ids[b, k]`` predicted from ``hidden[b, target_pos[b, k]]``.
+
+    Rows list their active targets (``active`` 1) first. The vocabulary projection runs
+    ``chunk_size`` targets at a time under ``jax.checkpoint`` and skips (``lax.cond``) chunks
+    where no row has an active target, forward and backward, so its cost follows the number
+    of targets, not K. ``entropy_grad=False`` computes the entropy as a constant (no
+    gradient path), for losses that only report it. Inactive targets return 0.
+    """
+    b, k = target_pos.shape
+    c = max(1, min(chunk_size, k))
+    pad = (-k) % c
+    pos, ids, act = (jnp.pad(x, ((0, 0), (0, pad))) for x in (target_pos, target_ids, active.astype(jnp.int32)))
+    n = (k + pad) // c
+    h = jnp.take_along_axis(hidden, pos[..., None], axis=1)  # [B, K', D]
+    chunks = lambda x: x.reshape(b, n, c, *x.shape[2:]).swapaxes(0, 1)
+    body = jax.checkpoint(functools.partial(_chunk_logprobs, w, temperature, entropy_grad=entropy_grad))
+
+    def one(xs):
+        hc, tc, ac = xs
+        zeros = jnp.zeros((b, c), jnp.float32)
+        return jax.lax.cond(jnp.any(ac > 0), lambda: body(hc, tc), lambda: (zeros, zeros))
+
+    lp, ent = jax.lax.map(one, (chunks(h), chunks(ids), chunks(act)))
+    keep = active.astype(jnp.float32)
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :k] * keep
+    return unchunk(lp), unchunk(ent)
 
 
 def logprobs_from_hidden(w: Array, hidden: Array, input_ids: Array, temperature: float = 1.0,

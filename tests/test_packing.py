@@ -1,0 +1,149 @@
+"""Packed rows: the plan covers every token once, and the packed update and log-prob passes
+equal the dense, unpacked computation (loss, gradients, metrics) for every aggregation mode,
+with Lopti's masks, the KL term and the entropy bonus."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from arlopti_jax import sharding as shd
+from arlopti_jax.algos import (AGG_MODES, LossConfig, aggregation_weights, init_opt_state, make_compute_logprobs,
+                               make_train_step, policy_loss)
+from arlopti_jax.algos import packing
+from arlopti_jax.models import (ModelConfig, init_params, packed_hidden_states, target_logprobs, token_logprobs,
+                                unembed_matrix)
+
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+MESH = shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+TEMP = 0.8
+
+
+def dense_batch(rows=12, width=40, seed=0):
+    """Left-padded prompts (2-9 tokens) and right-padded responses (1-24 tokens), as the sampler's."""
+    rng = np.random.default_rng(seed)
+    prompt_w = 10
+    ids = rng.integers(3, CFG.vocab_size, (rows, width)).astype(np.int32)
+    attn = np.zeros((rows, width), np.int32)
+    resp = np.zeros((rows, width), np.float32)
+    for r in range(rows):
+        p, n = int(rng.integers(2, prompt_w)), int(rng.integers(1, width - prompt_w + 1))
+        attn[r, prompt_w - p:prompt_w + n] = 1
+        resp[r, prompt_w:prompt_w + n] = 1
+    ids = np.where(attn > 0, ids, 0).astype(np.int32)
+    old = np.where(resp > 0, np.log(rng.uniform(0.05, 1.0, resp.shape)), 0).astype(np.float32)
+    ref = np.where(resp > 0, old + rng.normal(0, 0.3, resp.shape), 0).astype(np.float32)
+    adv = np.where(resp > 0, rng.normal(0, 1, (rows, 1)), 0).astype(np.float32)
+    lopti_low = (resp * (np.exp(old) < 0.5)).astype(np.float32)
+    return dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logprobs=old, ref_logprobs=ref,
+                advantages=adv * lopti_low, loss_mask=lopti_low)
+
+
+@functools.cache
+def params():
+    return jax.device_get(init_params(CFG, jax.random.key(3), MESH))
+
+
+def test_plan_covers_every_token_and_target_once():
+    batch = dense_batch(rows=30, seed=1)
+    rows = np.arange(30)
+    plan = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], rows,
+                                      tokens_per_row=64, num_rows=2)
+    src = np.concatenate([mb.token_src[mb.token_src >= 0] for mb in plan])
+    tgt = np.concatenate([mb.target_src[mb.target_src >= 0] for mb in plan])
+    assert sorted(src) == sorted(np.flatnonzero(batch["attention_mask"].reshape(-1)))
+    assert sorted(tgt) == sorted(np.flatnonzero(batch["response_mask"].reshape(-1)))
+    for mb in plan:
+        assert mb.token_src.shape == (2, 64)
+        arrays = packing.gather(mb, {"input_ids": batch["input_ids"]}, {"target_ids": batch["input_ids"]})
+        for r in range(2):
+            # positions restart per segment; the slot before each target predicts it
+            for seg in range(1, mb.segment_ids[r].max() + 1):
+                slots = np.flatnonzero(mb.segment_ids[r] == seg)
+                assert np.array_equal(mb.positions[r, slots], np.arange(len(slots)))
+                assert np.all(np.diff(slots) == 1)
+            used = arrays["target_mask"][r] > 0
+            assert np.array_equal(arrays["input_ids"][r, mb.target_pos[r, used] + 1], arrays["target_ids"][r, used])
+            assert used[:used.sum()].all()  # active targets first
+    assert packing.padding_fraction(plan) < 0.2
+
+
+def test_plan_errors_name_the_row():
+    batch = dense_batch(rows=4)
+    with pytest.raises(ValueError, match="batch row 0 holds .*max_tokens_per_micro_batch=8"):
+        packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], np.arange(4),
+                                   tokens_per_row=8, num_rows=1)
+    holes = batch["attention_mask"].copy()
+    holes[2, np.flatnonzero(holes[2])[3]] = 0
+    with pytest.raises(ValueError, match="batch row 2: attention_mask has holes"):
+        packing.plan_micro_batches(holes, batch["response_mask"], np.arange(4), tokens_per_row=64, num_rows=1)
+
+
+@pytest.mark.parametrize("tokens,block", [(512, 64), (48, 0)], ids=["blocked-one-micro-batch", "whole-rows-many"])
+def test_packed_logprobs_equal_dense(tokens, block):
+    batch = dense_batch()
+    plan = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], np.arange(12),
+                                      tokens_per_row=tokens, num_rows=1)
+    assert {mb.block for mb in plan} == {block} and (len(plan) == 1) == (tokens == 512)
+    want, _ = token_logprobs(CFG, params(), batch["input_ids"], batch["attention_mask"], temperature=TEMP)
+    want = np.asarray(want) * batch["response_mask"]
+    got = make_compute_logprobs(CFG, MESH, temperature=TEMP, tokens_per_row=tokens)(params(), batch)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_entropy_without_coefficient_has_no_gradient_path():
+    batch = dense_batch()
+    mb = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], np.arange(12),
+                                    tokens_per_row=256, num_rows=1)[0]
+    a = {k: jnp.asarray(v) for k, v in packing.gather(mb, {"input_ids": batch["input_ids"]},
+                                                       {"target_ids": batch["input_ids"]}).items()}
+
+    def entropy_sum(prm, entropy_grad):
+        h = packed_hidden_states(CFG, prm, a["input_ids"], a["positions"], a["segment_ids"], mb.block)
+        return target_logprobs(unembed_matrix(CFG, prm), h, a["target_pos"], a["target_ids"], a["target_mask"],
+                               TEMP, 16, entropy_grad=entropy_grad)[1].sum()
+
+    with_grad = jax.grad(entropy_sum)(params(), True)
+    without = jax.grad(entropy_sum)(params(), False)
+    assert optax.tree.norm(with_grad) > 1e-3
+    assert optax.tree.norm(without) == 0.0
+    assert float(entropy_sum(params(), False)) == pytest.approx(float(entropy_sum(params(), True)))
+
+
+def dense_loss_and_grad(cfg: LossConfig, batch):
+    """The unpacked reference: dense forward over [B, T], the same per-token loss formula."""
+    def loss(prm):
+        logp, ent = token_logprobs(CFG, prm, batch["input_ids"], batch["attention_mask"], temperature=cfg.temperature)
+        tokens = {k: batch[k] for k in ("advantages", "old_logprobs", "response_mask", "loss_mask", "ref_logprobs")}
+        tokens["agg_weight"] = aggregation_weights(batch["response_mask"], cfg.agg)
+        return policy_loss(cfg, logp, ent, tokens)
+
+    (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params())
+    return float(value), jax.device_get(stats), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("tokens", [512, 48], ids=["one-row", "many-rows"])
+def test_packed_step_equals_dense_unpacked_computation(agg, tokens):
+    cfg = LossConfig(kl_coef=0.3, kl_type="low_var_kl", entropy_coef=0.05, agg=agg, temperature=TEMP)
+    batch = dense_batch()
+    want_loss, want_stats, want_grads = dense_loss_and_grad(cfg, batch)
+    sgd = optax.sgd(1.0)
+    step = make_train_step(CFG, cfg, sgd, MESH, tokens_per_row=tokens)
+    p0 = jax.device_put(params())
+    new, _, metrics = step(p0, init_opt_state(sgd, CFG, p0, MESH), batch)
+    got_grads = jax.tree.map(lambda a, b: np.asarray(b) - np.asarray(a), jax.device_get(new), params())
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, atol=1e-5 * scale)  # SGD(1): old - new = gradient
+    np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
+    n_tok = batch["response_mask"].sum()
+    for name in ("pg_loss", "kl_loss", "entropy_loss"):
+        np.testing.assert_allclose(float(metrics[name]), float(want_stats[name]), rtol=1e-5)
+    for name in ("entropy", "kl", "ratio_mean"):
+        np.testing.assert_allclose(float(metrics[name]), float(want_stats[f"{name}_sum" if name != "ratio_mean"
+                                                                           else "ratio_sum"]) / n_tok, rtol=1e-5)
