@@ -34,6 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # activations
     c.model.param_dtype = "float32"  # weights (and so AdamW state)
     c.model.remat = True
+    c.model.unroll_layers = False  # layers as straight-line code, not a loop (faster on CPU; slower compiles)
     c.model.logprob_chunk = 256  # positions per vocab-projection chunk
 
     c.data = ml_collections.ConfigDict()
@@ -90,8 +91,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.batch_prompts = 64  # prompts per RL step (x rollout.n responses)
     c.train.mini_batch = 256  # responses per optimizer step
     c.train.micro_batch = 8  # responses per forward/backward (gradient accumulation)
-    # tokens per packed row (one row per data x fsdp device per micro-batch); 0 = the dense
-    # micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
+    # tokens per data x fsdp device of a packed micro-batch (sequences packed without padding);
+    # 0 = the dense micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
     c.train.max_tokens_per_micro_batch = 0
     c.train.epochs = 5
     c.train.max_steps = -1  # -1 = epochs x batches per epoch

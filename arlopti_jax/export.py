@@ -32,7 +32,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     config = ml_collections.ConfigDict(json.loads(meta["config"]))
     model_path = Path(meta["model_path"])
     model_cfg = ModelConfig.from_pretrained(model_path, dtype=config.model.dtype,
-                                            param_dtype=config.model.param_dtype, remat=config.model.remat)
+                                            param_dtype=config.model.param_dtype, remat=config.model.remat,
+                                            unroll_layers=config.model.get("unroll_layers", False))
     mesh = run_setup.make_mesh(config)
     optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
     ckpt = Checkpointer(folder.parent)

@@ -59,7 +59,8 @@ def load_policy(config, mesh, model_path: Path) -> Policy:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     model_cfg, params = load_pretrained(model_path, mesh=mesh, dtype=config.model.dtype,
-                                        param_dtype=config.model.param_dtype, remat=config.model.remat)
+                                        param_dtype=config.model.param_dtype, remat=config.model.remat,
+                                        unroll_layers=config.model.unroll_layers)
     return Policy(model_cfg, params, tokenizer, model_path)
 
 
@@ -103,9 +104,9 @@ def total_steps(config, iterator: BatchIterator) -> int:
 
 
 def tokens_per_micro_batch(config, mesh) -> int:
-    """Tokens of one packed row (one row per data x fsdp device per micro-batch):
-    ``train.max_tokens_per_micro_batch``, or with 0 the dense micro-batch's per-device share,
-    micro_batch / (data x fsdp) x (max prompt + max response) rounded up to a multiple of 64."""
+    """Tokens per data x fsdp device of one packed micro-batch: ``train.max_tokens_per_micro_batch``,
+    or with 0 the dense micro-batch's per-device share, micro_batch / (data x fsdp) x (max prompt +
+    max response), rounded up to a multiple of 64."""
     if config.train.max_tokens_per_micro_batch > 0:
         return config.train.max_tokens_per_micro_batch
     rows = max(1, config.train.micro_batch // shd.batch_divisor(mesh))

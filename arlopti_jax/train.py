@@ -101,11 +101,11 @@ def train(config) -> dict:
 
     sampler = Sampler(model_cfg, mesh)
     sampling = run_setup.sampling_config(config, policy)
-    tokens_per_row = run_setup.tokens_per_micro_batch(config, mesh)
-    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, tokens_per_row=tokens_per_row,
+    tokens = run_setup.tokens_per_micro_batch(config, mesh)  # per device: the update packs sequences
+    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens,
                                        chunk_size=config.model.logprob_chunk)
     logprobs_fn = algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
-                                              tokens_per_row=tokens_per_row, chunk_size=config.model.logprob_chunk)
+                                              tokens_per_device=tokens, chunk_size=config.model.logprob_chunk)
     reward_fn = load_reward_fn(config.reward.fn or None)
     evaluator = Evaluator(config, policy, sampler, test_sets, reward_fn)
     writer = MetricsWriter(run_dir)

@@ -42,15 +42,15 @@ SINGLE = (("fsdp", 1),)
 
 @functools.cache
 def step_for(mesh_shape=SINGLE, tokens=256, optim="sgd", loss=NO_KL):
-    """A train step packing ``tokens`` per row: 256 holds a whole 16-row batch in one
-    micro-batch; 16 splits it into many."""
+    """A train step packing ``tokens`` per device and micro-batch: 256 holds a whole 16-row
+    batch in one micro-batch; 16 splits it into many."""
     opt = SGD if optim == "sgd" else make_optimizer(ADAM)
-    return make_train_step(CFG, loss, opt, mesh_of(mesh_shape), tokens_per_row=tokens), opt
+    return make_train_step(CFG, loss, opt, mesh_of(mesh_shape), tokens_per_device=tokens), opt
 
 
 @functools.cache
 def logprobs_fn(mesh_shape=SINGLE):
-    return make_compute_logprobs(CFG, mesh_of(mesh_shape), tokens_per_row=64)
+    return make_compute_logprobs(CFG, mesh_of(mesh_shape), tokens_per_device=64)
 
 
 @functools.cache

@@ -2,46 +2,47 @@
 
 The rollout arrives dense: [B, T] rows of a left-padded prompt and a right-padded response,
 T = bucketed prompt length + max_response_length, however short the real sequences are. The
-update and the log-prob passes run on packed micro-batches instead:
+update and the log-prob passes run on packed micro-batches instead. A micro-batch holds
+``tokens_per_device`` (L) tokens per data x fsdp device, as ``L / S`` rows of ``S`` tokens:
 
-    rows    one per data x fsdp device (``num_rows``), each ``tokens_per_row`` (L) long,
-            holding whole sequences back to back (first-fit decreasing by length);
+    S       the row length, the smallest entry of ``row_lengths(L)`` (divisors of L on a
+            ladder of >= 1.3x steps) that holds the longest sequence of the micro-batch;
+    rows    whole sequences back to back (first-fit, longest first), attending within their
+            own sequence, so attention costs S keys per token, not L;
     tokens  token ids, ``segment_ids`` (1, 2, ... per sequence of the row, 0 = padding) and
             ``positions`` (restarting at 0 in each sequence), for ``packed_hidden_states``;
-    targets the row slots whose next token is a response token (``target_pos``) and that
-            token's index in the dense batch (``target_src``), listed first in each row
-            (capacity L), so log-probs are computed at response positions only;
-    block   the attention query block of the micro-batch (``decoder.segment_mask``): the
-            smallest divisor of L in multiples of 64 with 2 * block >= its longest sequence,
-            or 0 (whole-row attention) when that saves nothing. Sequences are packed longest
-            first, so micro-batches of short sequences get small blocks.
+    targets the slots whose next token is a response token (``target_pos``) and that
+            token's index in the dense batch (``target_src``), listed first in each row, so
+            log-probs are computed at response positions only.
 
-A micro-batch's shape is always [num_rows, L]; only ``block`` varies, so the passes compile
-once per block size. Padding is whatever the bins leave unfilled: typically a few percent.
-Everything here is a pure function of the lengths, so every process of a multi-process run
-computes the same plan.
+Sequences are taken longest first: the first micro-batches hold the long sequences in long
+rows, the last ones the short sequences in short rows. A micro-batch's shape is [D * L / S,
+S]; the passes compile once per row length S used (a handful: the ladder is short), never per
+step. Padding is what the rows leave unfilled, typically a few percent. Everything here is a
+pure function of the lengths, so every process of a multi-process run computes the same plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
-BLOCK_QUANTUM = 64  # attention blocks are multiples of this (or the whole row)
+ROW_QUANTUM = 64  # row lengths are multiples of this (or the whole budget)
+ROW_LADDER = 1.3  # consecutive row lengths differ by at least this factor (few compiled shapes)
 
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
-    """One packed micro-batch's layout (host arrays); ``gather`` fills it from dense arrays.
+    """One packed micro-batch's layout (host arrays, [R, S] each); ``gather`` fills it.
 
-    token_src   [R, L] int64  flat index into the dense [B, T] arrays of each slot's token; -1 = pad
-    segment_ids [R, L] int32
-    positions   [R, L] int32
-    target_pos  [R, L] int32  slot whose hidden state predicts target k (0 for unused targets)
-    target_src  [R, L] int64  flat dense index of target k (a response token); -1 = unused
-    block       int           attention query block (0 = whole row)
-    sequences   int           sequences packed in this micro-batch
+    token_src   int64  flat index into the dense [B, T] arrays of each slot's token; -1 = pad
+    segment_ids int32
+    positions   int32
+    target_pos  int32  slot whose hidden state predicts target k (0 for unused targets)
+    target_src  int64  flat dense index of target k (a response token); -1 = unused
+    sequences   int    sequences packed in this micro-batch
     """
 
     token_src: np.ndarray
@@ -49,8 +50,11 @@ class MicroBatch:
     positions: np.ndarray
     target_pos: np.ndarray
     target_src: np.ndarray
-    block: int
     sequences: int
+
+    @property
+    def row_length(self) -> int:
+        return self.token_src.shape[1]
 
     @property
     def real_tokens(self) -> int:
@@ -59,6 +63,19 @@ class MicroBatch:
     @property
     def target_count(self) -> int:
         return int((self.target_src >= 0).sum())
+
+
+@functools.lru_cache(maxsize=64)
+def row_lengths(tokens_per_device: int) -> tuple[int, ...]:
+    """The row lengths a micro-batch of ``tokens_per_device`` may use, ascending: divisors of
+    it that are multiples of ROW_QUANTUM, each at least ROW_LADDER times the previous, and the
+    budget itself."""
+    divisors = [d for d in range(ROW_QUANTUM, tokens_per_device, ROW_QUANTUM) if tokens_per_device % d == 0]
+    ladder: list[int] = []
+    for d in reversed(divisors + [tokens_per_device]):  # from the top, so the longest rows are kept
+        if not ladder or ladder[-1] >= ROW_LADDER * d:
+            ladder.append(d)
+    return tuple(reversed(ladder))
 
 
 def sequence_spans(attention_mask: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
@@ -70,8 +87,7 @@ def sequence_spans(attention_mask: np.ndarray, rows: np.ndarray | None = None) -
     any_tok = mask.any(axis=1)
     start = np.where(any_tok, mask.argmax(axis=1), 0)
     end = np.where(any_tok, mask.shape[1] - mask[:, ::-1].argmax(axis=1), 0)
-    counts = mask.sum(axis=1)
-    bad = np.flatnonzero(counts != end - start)
+    bad = np.flatnonzero(mask.sum(axis=1) != end - start)
     if bad.size:
         row = int(bad[0] if rows is None else np.asarray(rows)[bad[0]])
         raise ValueError(f"batch row {row}: attention_mask has holes; packing needs each row's tokens "
@@ -79,82 +95,67 @@ def sequence_spans(attention_mask: np.ndarray, rows: np.ndarray | None = None) -
     return np.stack([start, end], axis=1)
 
 
-def choose_block(tokens_per_row: int, longest: int) -> int:
-    """The smallest block (a divisor of the row length, a multiple of BLOCK_QUANTUM) whose
-    2-block window covers ``longest``; 0 (whole-row attention) if the window would not be
-    shorter than the row."""
-    for block in range(BLOCK_QUANTUM, tokens_per_row // 2, BLOCK_QUANTUM):
-        if tokens_per_row % block == 0 and 2 * block >= longest:
-            return block if 3 * block < tokens_per_row else 0
-    return 0
-
-
-def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """Bins (lists of item indices) of total length <= capacity, items longest first; bins
-    in order of creation (so by decreasing first item)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        size = int(lengths[i])
-        for b, free in enumerate(room):
-            if size <= free:
-                bins[b].append(i)
-                room[b] -= size
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - size)
-    return bins
-
-
 def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, rows, *,
-                       tokens_per_row: int, num_rows: int) -> list[MicroBatch]:
-    """Pack the sequences of dense batch ``rows`` into micro-batches of ``num_rows`` x
-    ``tokens_per_row``. Rows without tokens (batch padding) are skipped."""
+                       tokens_per_device: int, num_devices: int) -> list[MicroBatch]:
+    """Pack the sequences of dense batch ``rows`` into micro-batches of ``tokens_per_device``
+    tokens per device on ``num_devices`` (data x fsdp) devices. Rows without tokens (batch
+    padding) are skipped."""
     attention_mask, response_mask = np.asarray(attention_mask), np.asarray(response_mask)
     rows = np.asarray(rows, np.int64)
-    width = attention_mask.shape[1]
     spans = sequence_spans(attention_mask, rows)
     lengths = spans[:, 1] - spans[:, 0]
-    too_long = np.flatnonzero(lengths > tokens_per_row)
+    too_long = np.flatnonzero(lengths > tokens_per_device)
     if too_long.size:
         i = int(too_long[0])
         raise ValueError(f"batch row {int(rows[i])} holds {int(lengths[i])} tokens, more than "
-                         f"train.max_tokens_per_micro_batch={tokens_per_row}: raise it to at least the longest "
+                         f"train.max_tokens_per_micro_batch={tokens_per_device}: raise it to at least the longest "
                          "prompt + response")
-    present = np.flatnonzero(lengths > 0)
-    bins = [[int(present[i]) for i in b] for b in first_fit_decreasing(lengths[present], tokens_per_row)]
+    remaining = sorted(np.flatnonzero(lengths > 0).tolist(), key=lambda i: (-int(lengths[i]), i))
+    ladder = row_lengths(tokens_per_device)
     out = []
-    for first in range(0, len(bins), num_rows):
-        group = bins[first:first + num_rows]
-        shape = (num_rows, tokens_per_row)
-        token_src = np.full(shape, -1, np.int64)
-        segment_ids = np.zeros(shape, np.int32)
-        positions = np.zeros(shape, np.int32)
-        target_pos = np.zeros(shape, np.int32)
-        target_src = np.full(shape, -1, np.int64)
-        longest = 0
-        for r, members in enumerate(group):
-            slot = n_targets = 0
-            for seg, i in enumerate(members, start=1):
-                row, (start, end) = int(rows[i]), spans[i]
-                n = int(end - start)
-                longest = max(longest, n)
-                token_src[r, slot:slot + n] = row * width + np.arange(start, end)
-                segment_ids[r, slot:slot + n] = seg
-                positions[r, slot:slot + n] = np.arange(n)
-                resp = np.flatnonzero(response_mask[row, start:end] > 0)
-                if resp.size and resp[0] == 0:
-                    raise ValueError(f"batch row {row}: a response token has no preceding token to predict it from")
-                k = resp.size
-                target_pos[r, n_targets:n_targets + k] = slot + resp - 1
-                target_src[r, n_targets:n_targets + k] = row * width + start + resp
-                slot += n
-                n_targets += k
-        out.append(MicroBatch(token_src, segment_ids, positions, target_pos, target_src,
-                              choose_block(tokens_per_row, longest), sum(len(g) for g in group)))
+    while remaining:
+        length = next(s for s in ladder if s >= lengths[remaining[0]])
+        count = num_devices * (tokens_per_device // length)
+        members: list[list[int]] = [[] for _ in range(count)]
+        room = np.full(count, length)
+        left = []
+        for i in remaining:  # first fit, longest first; what does not fit waits for the next micro-batch
+            size = int(lengths[i])
+            r = int(np.argmax(room >= size))
+            if room[r] < size:
+                left.append(i)
+            else:
+                members[r].append(i)
+                room[r] -= size
+        out.append(_layout(members, length, rows, spans, response_mask, attention_mask.shape[1]))
+        remaining = left
     return out
+
+
+def _layout(members: list[list[int]], length: int, rows, spans, response_mask, width: int) -> MicroBatch:
+    shape = (len(members), length)
+    token_src = np.full(shape, -1, np.int64)
+    segment_ids = np.zeros(shape, np.int32)
+    positions = np.zeros(shape, np.int32)
+    target_pos = np.zeros(shape, np.int32)
+    target_src = np.full(shape, -1, np.int64)
+    for r, group in enumerate(members):
+        slot = n_targets = 0
+        for seg, i in enumerate(group, start=1):
+            row, (start, end) = int(rows[i]), spans[i]
+            n = int(end - start)
+            token_src[r, slot:slot + n] = row * width + np.arange(start, end)
+            segment_ids[r, slot:slot + n] = seg
+            positions[r, slot:slot + n] = np.arange(n)
+            resp = np.flatnonzero(response_mask[row, start:end] > 0)
+            if resp.size and resp[0] == 0:
+                raise ValueError(f"batch row {row}: a response token has no preceding token to predict it from")
+            k = resp.size
+            target_pos[r, n_targets:n_targets + k] = slot + resp - 1
+            target_src[r, n_targets:n_targets + k] = row * width + start + resp
+            slot += n
+            n_targets += k
+    return MicroBatch(token_src, segment_ids, positions, target_pos, target_src, sum(len(g) for g in members))
 
 
 def gather(mb: MicroBatch, tokens: dict[str, np.ndarray], targets: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -163,17 +164,16 @@ def gather(mb: MicroBatch, tokens: dict[str, np.ndarray], targets: dict[str, np.
     ``target_mask`` (1 on used targets)."""
     out = {"segment_ids": mb.segment_ids, "positions": mb.positions, "target_pos": mb.target_pos,
            "target_mask": (mb.target_src >= 0).astype(np.int32)}
-    for name, index in ((tokens, mb.token_src), (targets, mb.target_src)):
+    for arrays, index in ((tokens, mb.token_src), (targets, mb.target_src)):
         safe, valid = np.maximum(index, 0), index >= 0
-        for key, dense in name.items():
+        for key, dense in arrays.items():
             dense = np.asarray(dense)
             out[key] = np.where(valid, dense.reshape(-1)[safe], 0).astype(dense.dtype)
     return out
 
 
 def scatter_targets(micro_batches: list[MicroBatch], values: list[np.ndarray], shape) -> np.ndarray:
-    """Per-target values of each micro-batch ([R, L] each) -> a dense [B, T] float32 array
-    (0 off the targets)."""
+    """Per-target values of each micro-batch -> a dense float32 array of ``shape`` (0 off the targets)."""
     out = np.zeros(int(np.prod(shape)), np.float32)
     for mb, v in zip(micro_batches, values):
         used = mb.target_src >= 0

@@ -2,7 +2,7 @@
 
     opt = make_optimizer(OptimConfig(lr=1e-6))
     opt_state = init_opt_state(opt, model_cfg, params, mesh)
-    step = make_train_step(model_cfg, LossConfig(), opt, mesh, tokens_per_row=4096)
+    step = make_train_step(model_cfg, LossConfig(), opt, mesh, tokens_per_device=4096)
     params, opt_state, metrics = step(params, opt_state, mini_batch)
 
 ``mini_batch`` is a dict of dense [M, T] host arrays aligned with ``input_ids`` (see
@@ -14,14 +14,14 @@ when ``loss_cfg.kl_coef != 0`` (``make_compute_logprobs`` with the reference par
 rollout batch).
 
 Cost follows the real tokens (``packing``): the mini-batch's sequences are packed into
-micro-batches of one ``tokens_per_row`` row per data x fsdp device; the model runs on the
-packed rows (attention within each sequence) and the vocabulary projection only at response
-positions. For each micro-batch a jitted function adds its gradient to an accumulator
+micro-batches of ``tokens_per_device`` tokens per data x fsdp device, in rows about as long
+as their longest sequence; the model runs on the packed rows (attention within each
+sequence) and the vocabulary projection only at response positions. For each micro-batch a jitted function adds its gradient to an accumulator
 (donated, sharded like the params); a second one clips, applies AdamW and reports the
 metrics. Each token's loss carries its mini-batch aggregation weight
 (``losses.aggregation_weights``), so the accumulated gradient is exactly the whole
-mini-batch's, however its sequences were packed. The functions compile once per attention
-block size of the packing (a handful) and never per step.
+mini-batch's, however its sequences were packed. The functions compile once per packed row
+length (a short ladder, see ``packing.row_lengths``) and never per step.
 """
 
 from __future__ import annotations
@@ -138,22 +138,6 @@ def _dense_host(batch: dict[str, Any], keys: Sequence[str]) -> dict[str, np.ndar
     return {k: dist.to_host(batch[k]) for k in keys}
 
 
-class PerBlock:
-    """``jax.jit`` of ``fn(*args, block)`` with one compiled program per attention block size
-    (``block`` static; jit takes no static keyword arguments together with shardings)."""
-
-    def __init__(self, fn, **jit_kwargs):
-        self.fn, self.jit_kwargs, self.jitted = fn, jit_kwargs, {}
-
-    def __call__(self, *args, block: int):
-        if block not in self.jitted:
-            self.jitted[block] = jax.jit(functools.partial(self.fn, block=block), **self.jit_kwargs)
-        return self.jitted[block](*args)
-
-    def num_compilations(self) -> int:
-        return sum(f._cache_size() for f in self.jitted.values())
-
-
 class PackedModel:
     """Forward passes of one packed micro-batch (``packing.gather`` arrays on device):
     per-target log-probs and entropies [R, L]."""
@@ -161,8 +145,8 @@ class PackedModel:
     def __init__(self, model_cfg: ModelConfig, temperature: float, chunk_size: int):
         self.cfg, self.temperature, self.chunk_size = model_cfg, temperature, chunk_size
 
-    def __call__(self, params, mb: dict[str, Array], block: int, entropy_grad: bool = True):
-        hidden = packed_hidden_states(self.cfg, params, mb["input_ids"], mb["positions"], mb["segment_ids"], block)
+    def __call__(self, params, mb: dict[str, Array], entropy_grad: bool = True):
+        hidden = packed_hidden_states(self.cfg, params, mb["input_ids"], mb["positions"], mb["segment_ids"])
         return target_logprobs(unembed_matrix(self.cfg, params), hidden, mb["target_pos"], mb["target_ids"],
                                mb["target_mask"], self.temperature, self.chunk_size, entropy_grad=entropy_grad)
 
@@ -188,14 +172,14 @@ def _finish_metrics(stats: dict[str, Array], n_tok: Array, use_kl: bool) -> dict
 class TrainStep:
     """``step(params, opt_state, mini_batch) -> (params, opt_state, metrics)``; see the module
     docstring. The caller's ``params``/``opt_state`` are donated (invalid after the call).
-    ``tokens_per_row`` must hold the longest prompt + response."""
+    ``tokens_per_device`` (per micro-batch) must hold the longest prompt + response."""
 
     def __init__(self, model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                 mesh, rules=shd.DEFAULT_RULES, *, tokens_per_row: int, chunk_size: int = 256):
-        if tokens_per_row < 2:
-            raise ValueError(f"tokens_per_row={tokens_per_row}: must be >= 2")
+                 mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256):
+        if tokens_per_device < 2:
+            raise ValueError(f"tokens_per_device={tokens_per_device}: must be >= 2")
         self.mesh, self.rules, self.loss_cfg = mesh, rules, loss_cfg
-        self.tokens_per_row, self.num_rows = tokens_per_row, shd.batch_divisor(mesh)
+        self.tokens_per_device, self.num_devices = tokens_per_device, shd.batch_divisor(mesh)
         self.keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
         self.row_sharding = shd.batch_sharding(mesh, 2)
         self.model = PackedModel(model_cfg, loss_cfg.temperature, chunk_size)
@@ -207,8 +191,8 @@ class TrainStep:
         rep = shd.replicated(mesh)
         acc_sh = (p_sh, {n: rep for n in names})
 
-        def micro_loss(params, mb, block):
-            logp, ent = self.model(params, mb, block, entropy_grad)
+        def micro_loss(params, mb):
+            logp, ent = self.model(params, mb, entropy_grad)
             targets = {k: mb[k] for k in TARGET_KEYS + (("ref_logprobs",) if use_kl else ())}
             return policy_loss(loss_cfg, logp, ent, targets)
 
@@ -216,8 +200,8 @@ class TrainStep:
             grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             return grads, {n: jnp.full((), -jnp.inf if n == "ratio_max" else 0.0, jnp.float32) for n in names}
 
-        def accumulate(params, acc, mb, block):
-            (_, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb, block)
+        def accumulate(params, acc, mb):
+            (_, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb)
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[0], g)
             merged = {n: jnp.maximum(acc[1][n], v) if n == "ratio_max" else acc[1][n] + v for n, v in stats.items()}
             return grads, merged
@@ -233,14 +217,14 @@ class TrainStep:
             return params, opt_state, metrics
 
         self._zeros = jax.jit(zeros, in_shardings=(p_sh,), out_shardings=acc_sh)
-        self._accumulate = PerBlock(accumulate, donate_argnums=(1,), in_shardings=(p_sh, acc_sh, self.row_sharding),
-                                    out_shardings=acc_sh)
+        self._accumulate = jax.jit(accumulate, donate_argnums=(1,), in_shardings=(p_sh, acc_sh, self.row_sharding),
+                                   out_shardings=acc_sh)
         self._apply = jax.jit(apply, donate_argnums=(0, 1), in_shardings=(p_sh, o_sh, acc_sh, rep),
                               out_shardings=(p_sh, o_sh, rep))
 
     def plan(self, batch: dict[str, np.ndarray], rows) -> list[packing.MicroBatch]:
         return packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], rows,
-                                          tokens_per_row=self.tokens_per_row, num_rows=self.num_rows)
+                                          tokens_per_device=self.tokens_per_device, num_devices=self.num_devices)
 
     def _accumulated(self, params, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
         """(gradient accumulator, n_tokens) of the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
@@ -256,7 +240,7 @@ class TrainStep:
             for mb in micro_batches:
                 arrays = packing.gather(mb, {"input_ids": batch["input_ids"]}, targets)
                 arrays = {k: _put(v, self.row_sharding) for k, v in arrays.items()}
-                acc = self._accumulate(params, acc, arrays, block=mb.block)
+                acc = self._accumulate(params, acc, arrays)
         return acc, n_tok
 
     def run(self, params, opt_state, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
@@ -278,18 +262,18 @@ class TrainStep:
         return self.run(params, opt_state, batch, rows, self.plan(batch, rows))
 
     def num_compilations(self) -> int:
-        """How many programs this step has compiled (one per attention block size, plus one)."""
-        return self._accumulate.num_compilations() + self._apply._cache_size()
+        """How many programs this step has compiled (one per packed row length, plus one)."""
+        return self._accumulate._cache_size() + self._apply._cache_size()
 
 
 def make_train_step(model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                    mesh, rules=shd.DEFAULT_RULES, *, tokens_per_row: int, chunk_size: int = 256) -> TrainStep:
-    return TrainStep(model_cfg, loss_cfg, optimizer, mesh, rules, tokens_per_row=tokens_per_row,
+                    mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256) -> TrainStep:
+    return TrainStep(model_cfg, loss_cfg, optimizer, mesh, rules, tokens_per_device=tokens_per_device,
                      chunk_size=chunk_size)
 
 
 def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES, *, temperature: float = 1.0,
-                          tokens_per_row: int, chunk_size: int = 256):
+                          tokens_per_device: int, chunk_size: int = 256):
     """``compute_logprobs(params, batch) -> logp`` [B, T] host float32: log pi(input_ids[:, t] |
     input_ids[:, :t]) at the response positions (``batch['response_mask']``), 0 elsewhere, from
     ``input_ids`` and ``attention_mask``, on packed rows. Use it with the reference params for
@@ -297,21 +281,21 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
     ``old_logprobs``."""
     model = PackedModel(model_cfg, temperature, chunk_size)
     row_sharding = shd.batch_sharding(mesh, 2)
-    jitted = PerBlock(lambda params, mb, block: model(params, mb, block, entropy_grad=False)[0],
-                      in_shardings=(param_shardings(model_cfg, mesh, rules), row_sharding),
-                      out_shardings=shd.replicated(mesh))
+    jitted = jax.jit(lambda params, mb: model(params, mb, entropy_grad=False)[0],
+                     in_shardings=(param_shardings(model_cfg, mesh, rules), row_sharding),
+                     out_shardings=shd.replicated(mesh))
 
     def compute_logprobs(params, batch: dict[str, Any]) -> np.ndarray:
         dense = _dense_host(batch, ("input_ids", "attention_mask", "response_mask"))
         shape = dense["input_ids"].shape
         plan = packing.plan_micro_batches(dense["attention_mask"], dense["response_mask"], np.arange(shape[0]),
-                                          tokens_per_row=tokens_per_row, num_rows=shd.batch_divisor(mesh))
+                                          tokens_per_device=tokens_per_device, num_devices=shd.batch_divisor(mesh))
         values = []
         with shd.activate(mesh, rules):
             for mb in plan:
                 arrays = packing.gather(mb, {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]})
                 arrays = {k: _put(v, row_sharding) for k, v in arrays.items()}
-                values.append(jitted(params, arrays, block=mb.block))
+                values.append(jitted(params, arrays))
         return packing.scatter_targets(plan, [np.asarray(v) for v in jax.device_get(values)], shape)
 
     compute_logprobs.jitted = jitted

@@ -66,12 +66,10 @@ def hidden_states(cfg: ModelConfig, params, input_ids: Array, attention_mask: Ar
     return hidden
 
 
-def packed_hidden_states(cfg: ModelConfig, params, tokens: Array, positions: Array, segment_ids: Array,
-                         block: int = 0) -> Array:
+def packed_hidden_states(cfg: ModelConfig, params, tokens: Array, positions: Array, segment_ids: Array) -> Array:
     """Final-norm hidden states [B, T, D] of packed rows: several sequences per row, numbered
-    by ``segment_ids`` (0 = padding), ``positions`` restarting at 0 in each (see
-    ``decoder.segment_mask`` for ``block``)."""
-    hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, None, segment_ids=segment_ids, block=block)
+    by ``segment_ids`` (0 = padding), ``positions`` restarting at 0 in each."""
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, None, segment_ids=segment_ids)
     return hidden
 
 

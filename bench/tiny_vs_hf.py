@@ -1,0 +1,180 @@
+"""The tiny-shape comparison with transformers, interleaved in one run (CPU).
+
+    python bench/tiny_vs_hf.py [--rounds 3] [--skip-rollout]
+
+One tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV heads, ffn 1024, tied
+embeddings), the same weights on both sides (ours exported with ``save_pretrained`` and
+loaded by transformers), two workloads:
+
+  train step  one GRPO update on 32 sequences of 64 prompt + 128 response tokens (no
+              padding): PPO clipped loss + k3 KL, gradient clipping, AdamW; micro-batches of
+              8 sequences on both sides (ours: packed micro-batches of 8 x 192 tokens);
+  rollout     32 prompts x 64 tokens, 128 new tokens each, temperature 1, no EOS.
+
+Each round times ours then transformers on both workloads (after a warm-up call each);
+the script prints each round and the medians, tokens/s and ours / transformers. Tokens are
+all the tokens through the model (train) or generated tokens (rollout). It also reports our
+compile times and asserts that nothing recompiles after the warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DIMS = dict(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=4096, tied=True)
+ROWS, PROMPT, RESPONSE, MICRO = 32, 64, 128, 8
+
+
+class CompileLog(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += record.getMessage().startswith("Finished XLA compilation")
+
+
+def train_workload(seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = PROMPT + RESPONSE
+    ids = rng.integers(3, DIMS["vocab"], (ROWS, t)).astype(np.int32)
+    attn = np.ones((ROWS, t), np.int32)
+    resp = np.zeros((ROWS, t), np.float32)
+    resp[:, PROMPT:] = 1
+    old = np.where(resp > 0, np.log(rng.uniform(0.05, 1, (ROWS, t))), 0).astype(np.float32)
+    ref = np.where(resp > 0, old + rng.normal(0, 0.1, (ROWS, t)), 0).astype(np.float32)
+    adv = np.where(resp > 0, rng.normal(0, 1, (ROWS, 1)), 0).astype(np.float32)
+    return dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logprobs=old, ref_logprobs=ref,
+                advantages=adv, loss_mask=resp)
+
+
+class Ours:
+    def __init__(self, folder: Path):
+        import jax
+
+        from arlopti_jax import algos
+        from arlopti_jax import sharding as shd
+        from arlopti_jax.models import load_pretrained
+        from arlopti_jax.rollout import Sampler, SamplingConfig
+
+        self.mesh = shd.make_mesh({"fsdp": -1})
+        self.cfg, self.params = load_pretrained(folder, mesh=self.mesh, dtype="float32", param_dtype="float32",
+                                                unroll_layers=True)
+        self.opt = algos.make_optimizer(algos.OptimConfig(lr=1e-5))
+        self.opt_state = algos.init_opt_state(self.opt, self.cfg, self.params, self.mesh)
+        self.step = algos.make_train_step(self.cfg, algos.LossConfig(kl_coef=0.001), self.opt, self.mesh,
+                                          tokens_per_device=MICRO * (PROMPT + RESPONSE))
+        self.sampler = Sampler(self.cfg, self.mesh)
+        self.sampling = SamplingConfig(max_response_len=RESPONSE, temperature=1.0)
+        self.key = jax.random.key(0)
+
+    def train(self, batch):
+        import jax
+
+        self.params, self.opt_state, metrics = self.step(self.params, self.opt_state, batch)
+        jax.block_until_ready(metrics)
+
+    def rollout(self, prompts):
+        return self.sampler.generate(self.params, prompts, 1, self.key, self.sampling)
+
+
+class Transformers:
+    def __init__(self, folder: Path):
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.01)
+
+    def train(self, batch):
+        from train_step import torch_batch, torch_minibatch_step
+
+        self.model.train()
+        torch_minibatch_step(self.model, self.opt, torch_batch(batch), ROWS // MICRO)
+
+    def rollout(self, prompts):
+        import torch
+
+        self.model.eval()
+        ids = torch.tensor(prompts, dtype=torch.long)
+        with torch.no_grad():
+            return self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                       top_p=1.0, top_k=0, max_new_tokens=RESPONSE, min_new_tokens=RESPONSE,
+                                       pad_token_id=0)
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip-rollout", action="store_true")
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+    import torch
+
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.models import init_params, save_pretrained
+    from shapes import model_config
+
+    jax.config.update("jax_log_compiles", True)
+    compiles = CompileLog()
+    logging.getLogger("jax").addHandler(compiles)
+    logging.getLogger("jax").propagate = False
+    folder = Path(tempfile.mkdtemp(prefix="tiny_vs_hf_"))
+    cfg = model_config(DIMS).replace(eos_token_id=2, bos_token_id=1)
+    save_pretrained(cfg, init_params(cfg, jax.random.key(0), shd.make_mesh({"fsdp": -1})), folder)
+    ours, hf = Ours(folder), Transformers(folder)
+    batch = train_workload()
+    prompts = np.random.default_rng(1).integers(3, DIMS["vocab"], (ROWS, PROMPT)).tolist()
+    workloads = {"train step": ("train", batch, ROWS * (PROMPT + RESPONSE))}
+    if not args.skip_rollout:
+        workloads["rollout"] = ("rollout", prompts, ROWS * RESPONSE)
+
+    print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"{os.cpu_count()} CPUs; tiny Qwen2 {DIMS}")
+    for name, (method, data, _) in workloads.items():
+        before = compiles.count
+        first = timed(getattr(ours, method), data)
+        print(f"{name}: ours first call (trace + compile) {first:.2f}s, {compiles.count - before} compilations")
+        getattr(hf, method)(data)  # warm-up
+    warm = compiles.count
+    times = {name: {"ours": [], "transformers": []} for name in workloads}
+    for r in range(args.rounds):
+        for name, (method, data, tokens) in workloads.items():
+            for side, impl in (("ours", ours), ("transformers", hf)):
+                times[name][side].append(timed(getattr(impl, method), data))
+            o, t = times[name]["ours"][-1], times[name]["transformers"][-1]
+            print(f"round {r + 1} {name}: ours {o:.3f}s, transformers {t:.3f}s, ratio {t / o:.2f}")
+    assert compiles.count == warm, f"{compiles.count - warm} compilations after the warm-up"
+    print("\nmedians (one interleaved run):")
+    print(f"| workload | transformers tok/s | ours tok/s | ours / transformers |\n|---|---|---|---|")
+    for name, (_, _, tokens) in workloads.items():
+        o, t = (statistics.median(times[name][s]) for s in ("ours", "transformers"))
+        print(f"| {name} | {tokens / t:,.0f} | {tokens / o:,.0f} | {t / o:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
