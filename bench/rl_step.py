@@ -99,8 +99,10 @@ def run_jax(args, d, prompts):
     optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-6))
     opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
     loss_cfg = algos.LossConfig(kl_coef=0.001)
-    train_step = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, num_micro_batches=args.micro)
-    logprobs_fn = algos.make_compute_logprobs(cfg, mesh, num_micro_batches=args.micro)
+    rows = max(1, args.mini_batch // args.micro // shd.batch_divisor(mesh))  # a dense micro-batch's rows per device
+    tokens = -(-rows * (args.prompt_len + args.gen_len) // 64) * 64  # packed tokens per device and micro-batch
+    train_step = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens)
+    logprobs_fn = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens)
     sampler = Sampler(cfg, mesh)
     sampling = SamplingConfig(max_response_len=args.gen_len, eos_ids=(), prompt_bucket=args.prompt_len,
                               batch_bucket=args.prompts)

@@ -200,8 +200,10 @@ def main():
     optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-5))
     opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
     loss_cfg = algos.LossConfig(kl_coef=0.001)
-    step = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, num_micro_batches=args.micro)
-    logprobs = algos.make_compute_logprobs(cfg, mesh, num_micro_batches=args.micro)
+    rows = max(1, args.batch // args.micro // shd.batch_divisor(mesh))  # a dense micro-batch's rows per device
+    tokens = -(-rows * args.seq // 64) * 64  # packed tokens per device and micro-batch
+    step = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens)
+    logprobs = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens)
 
     rows, t = 2 * args.batch, args.seq  # a rollout batch of two mini-batches
     rng = np.random.default_rng(0)
@@ -211,7 +213,7 @@ def main():
     attn = (np.arange(t)[None] < prompt + resp_len[:, None]).astype(np.int32)
     resp = ((np.arange(t)[None] >= prompt) & (attn > 0)).astype(np.float32)
     rollout = {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
-    rollout["old_logprobs"] = np.asarray(logprobs(params, rollout)) * resp
+    rollout["old_logprobs"] = logprobs(params, rollout)
     rollout["ref_logprobs"] = rollout["old_logprobs"]
     rewards = rng.choice([-1.0, 3.0], rows).astype(np.float32)
     group_ids = np.repeat(np.arange(rows // 8), 8).astype(np.int32)
@@ -247,7 +249,7 @@ def main():
           + f", loss {float(metrics['loss']):.4f}")
     print(f"compilations during the {args.steps} steps: {len(steady)}; "
           f"train-step cache size: {step.num_compilations()}")
-    assert not steady and step.num_compilations() == 1, f"recompiled per step: {steady}"
+    assert not steady, f"recompiled per step: {steady}"
 
     lopti = algos.LoptiConfig(True, 0.5)
     for attempt in () if args.skip_rollout_batch else ("first", "second"):
@@ -260,7 +262,6 @@ def main():
         print(f"{attempt} Lopti rollout batch ({rows} rows): {len(passes)} passes, {steps} optimizer steps, "
               f"{elapsed:.2f}s, compilations: {len(counter.since(mark))} {counter.since(mark)}")
         assert attempt == "first" or not counter.since(mark), "a second rollout batch of the same shape recompiled"
-    assert step.num_compilations() == 1
 
     if args.hf:
         del params, opt_state
