@@ -16,9 +16,10 @@ update and the log-prob passes run on packed micro-batches instead. A micro-batc
             log-probs are computed at response positions only.
 
 Sequences are taken longest first: the first micro-batches hold the long sequences in long
-rows, the last ones the short sequences in short rows. A micro-batch's shape is [D * L / S,
-S]; the passes compile once per row length S used (a handful: the ladder is short), never per
-step. Padding is what the rows leave unfilled, typically a few percent. Everything here is a
+rows, the last ones the short sequences in short rows. A full micro-batch is [D * L / S, S];
+the last one of a mini-batch takes the smallest shape (rows per device 1 to 8, then 12, 16,
+24, 32, ...; any row length of the ladder) that holds what is left. The passes compile once per shape
+used (a handful: both ladders are short), never per step. Padding is what the rows leave unfilled, typically a few percent. Everything here is a
 pure function of the lengths, so every process of a multi-process run computes the same plan.
 """
 
@@ -115,21 +116,47 @@ def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, ro
     out = []
     while remaining:
         length = next(s for s in ladder if s >= lengths[remaining[0]])
-        count = num_devices * (tokens_per_device // length)
-        members: list[list[int]] = [[] for _ in range(count)]
-        room = np.full(count, length)
-        left = []
-        for i in remaining:  # first fit, longest first; what does not fit waits for the next micro-batch
-            size = int(lengths[i])
-            r = int(np.argmax(room >= size))
-            if room[r] < size:
-                left.append(i)
-            else:
-                members[r].append(i)
-                room[r] -= size
+        members, left = _first_fit(remaining, lengths, length, num_devices * (tokens_per_device // length))
+        if not left:  # the last micro-batch: the smallest shape that still holds every sequence
+            for shape in _smaller_shapes(ladder, length, tokens_per_device, num_devices):
+                fit, rest = _first_fit(remaining, lengths, *shape)
+                if not rest:
+                    length, members = shape[0], fit
+                    break
         out.append(_layout(members, length, rows, spans, response_mask, attention_mask.shape[1]))
         remaining = left
     return out
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """Rows per device a micro-batch may have: 1 to 8, then 12, 16, 24, 32, ... below max_rows, and max_rows."""
+    counts = {c for c in range(1, 9)} | {c for k in range(2, max_rows.bit_length()) for c in (3 << k, 4 << k)}
+    return sorted(c for c in counts if c < max_rows) + [max_rows]
+
+
+def _smaller_shapes(ladder, shortest: int, tokens_per_device: int, num_devices: int) -> list[tuple[int, int]]:
+    """(row length >= shortest, rows) shapes with fewer slots than a full micro-batch, fewest slots
+    first (then shorter rows: cheaper attention)."""
+    full = num_devices * tokens_per_device
+    shapes = [(count * length, length, count) for length in ladder if length >= shortest
+              for count in (num_devices * r for r in row_counts(tokens_per_device // length)) if count * length < full]
+    return [(length, count) for _, length, count in sorted(shapes)]
+
+
+def _first_fit(order, lengths, length: int, count: int):
+    """First fit of ``order`` (longest first) into ``count`` rows of ``length``: (rows' members, leftovers)."""
+    members: list[list[int]] = [[] for _ in range(count)]
+    room = np.full(count, length)
+    left = []
+    for i in order:
+        size = int(lengths[i])
+        r = int(np.argmax(room >= size))
+        if room[r] < size:
+            left.append(i)
+        else:
+            members[r].append(i)
+            room[r] -= size
+    return members, left
 
 
 def _layout(members: list[list[int]], length: int, rows, spans, response_mask, width: int) -> MicroBatch:

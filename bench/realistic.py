@@ -1,0 +1,281 @@
+"""A realistic-length RL step, by phase: this checkout against an earlier commit (the dense path),
+interleaved in one run, plus the tiny-shape comparison with transformers.
+
+    python bench/realistic.py                          # before = 7530733 (the last dense commit)
+    python bench/realistic.py --before none --rounds 1 # this checkout only
+    python bench/realistic.py --skip-tiny              # without bench/tiny_vs_hf.py
+
+Workload (fixed seed): a tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV
+heads, ffn 1024, tied), ``--prompts`` x ``--n`` responses, prompts of ``--prompt-len`` / 2 to
+``--prompt-len`` tokens (left-padded to the bucket), response lengths log-normal with median
+``--median`` x ``--gen-len`` (sigma 0.8), clipped to [8, gen-len], and ``--at-max`` of the rows
+at exactly gen-len; every response ends with an EOS at its length. The phases are train.py's
+step (GRPO + AR + Lopti, KL on): rollout, reference log-probs, advantages, update (two Lopti
+passes over ``--mini-batch`` mini-batches; dense micro-batches of ``--micro`` rows, which also
+set the packed token budget).
+
+The earlier commit's sampler cannot force an EOS; it stops only when every row has finished,
+and rows at gen-len finish last, so its rollout cost is that of generating gen-len tokens for
+every row: it runs exactly that (no EOS). Its update and log-prob passes run on the dense
+[N, P + R] batch whatever the mask, so the same lengths give the same cost.
+
+Each round runs the earlier commit's code and this checkout's in separate processes (its
+package extracted with ``git archive``), one after the other; the script prints every round and
+the medians per phase, and, per phase, the padding share of the token slots processed and the
+model FLOP per real token (2 x params per processed token forward, 6 x for forward + backward,
+plus attention over the keys each query sees). The new path's compilations after its warm-up
+step are counted: none are allowed beyond its documented buckets (asserted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DIMS = dict(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=4096, tied=True)
+PHASES = ("rollout", "ref_logprobs", "advantages", "update")
+EOS = 2
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", default="7530733", help="git commit of the dense path ('none' to skip)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="timed RL steps per round (after a warm-up step)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=512)
+    ap.add_argument("--median", type=float, default=0.15, help="median response length / gen-len")
+    ap.add_argument("--at-max", type=float, default=0.06, help="share of responses at gen-len")
+    ap.add_argument("--mini-batch", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=8, help="rows of a dense micro-batch")
+    ap.add_argument("--skip-tiny", action="store_true", help="skip the tiny-shape comparison with transformers")
+    ap.add_argument("--worker", choices=("run",), help=argparse.SUPPRESS)
+    ap.add_argument("--label", default="", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def workload(args):
+    """(prompts: list of token lists, response lengths [N]) from a fixed seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    plens = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.prompts)
+    prompts = [rng.integers(3, DIMS["vocab"], int(p)).tolist() for p in plens]
+    rows = args.prompts * args.n
+    lengths = np.clip(np.round(rng.lognormal(np.log(args.median * args.gen_len), 0.8, rows)), 8, args.gen_len)
+    lengths[rng.permutation(rows)[:max(1, round(args.at_max * rows))]] = args.gen_len
+    return prompts, lengths.astype(np.int32)
+
+
+def attention_keys(mask_rows) -> float:
+    """Sum over the processed queries of the keys each attends to in a dense causal pass."""
+    return float(sum(t * (t + 1) / 2 for t in mask_rows))
+
+
+def run_worker(args) -> dict:
+    """One process: a warm-up step and ``--steps`` timed steps; prints a JSON record."""
+    import logging
+
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, str(HERE))
+    from arlopti_jax import algos
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.models import init_params
+    from arlopti_jax.rollout import Sampler, SamplingConfig
+    from shapes import model_config
+
+    compiles = []
+    handler = logging.Handler()
+    handler.emit = lambda record: compiles.append(record.getMessage()) if record.getMessage().startswith(
+        "Finished XLA compilation") else None
+    jax.config.update("jax_log_compiles", True)
+    logging.getLogger("jax").addHandler(handler)
+    logging.getLogger("jax").propagate = False
+
+    prompts, lengths = workload(args)
+    mesh = shd.make_mesh({"fsdp": -1})
+    packed = "tokens_per_device" in inspect.signature(algos.make_train_step).parameters
+    overrides = {"unroll_layers": True} if packed else {}
+    cfg = model_config(DIMS).replace(eos_token_id=EOS, **overrides)
+    params = init_params(cfg, jax.random.key(0), mesh)
+    ref_params = jax.tree.map(lambda x: x.copy(), params)
+    optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-6))
+    opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
+    loss_cfg = algos.LossConfig(kl_coef=0.001)
+    width = args.prompt_len + args.gen_len
+    if packed:
+        tokens = -(-args.micro * width // 64) * 64
+        step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens)
+        logprobs_fn = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens)
+    else:
+        step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, num_micro_batches=args.mini_batch // args.micro)
+        logprobs_fn = algos.make_compute_logprobs(cfg, mesh, num_micro_batches=args.mini_batch // args.micro)
+    sampler = Sampler(cfg, mesh)
+    forced = "stop_at" in inspect.signature(sampler.generate).parameters
+    sampling = SamplingConfig(max_response_len=args.gen_len, temperature=1.0, eos_ids=(EOS,) if forced else (),
+                              prompt_bucket=args.prompt_len, batch_bucket=args.prompts)
+    adv_cfg, weights, lopti = algos.AdvantageConfig("grpo"), algos.TokenWeightConfig("ar", alpha=0.3), \
+        algos.LoptiConfig(True, 0.5)
+    rewards = np.random.default_rng(1).choice([-1.0, 3.0], len(lengths)).astype(np.float32)
+    times = {p: [] for p in PHASES}
+    stats = {}
+    warm_compiles = 0
+    for step in range(args.steps + 1):
+        key = jax.random.fold_in(jax.random.key(0), step)
+        t = {}
+        start = time.perf_counter()
+        extra = {"stop_at": lengths} if forced else {}
+        rollout = sampler.generate(params, prompts, args.n, key, sampling, **extra)
+        t["rollout"] = time.perf_counter() - start
+        batch = rollout.train_batch()
+        if not forced:  # the dense path generated gen-len tokens per row: give it the workload's masks
+            keep = (np.arange(args.gen_len)[None] < lengths[:, None]).astype(batch["response_mask"].dtype)
+            p = batch["input_ids"].shape[1] - args.gen_len
+            batch["response_mask"][:, p:] *= keep
+            batch["attention_mask"][:, p:] *= keep.astype(batch["attention_mask"].dtype)
+            batch["old_logprobs"][:, p:] *= keep
+        assert np.array_equal(batch["response_mask"].sum(1), lengths), "the rollout's lengths are not the workload's"
+        start = time.perf_counter()
+        batch["ref_logprobs"] = np.asarray(jax.block_until_ready(logprobs_fn(ref_params, batch)))
+        t["ref_logprobs"] = time.perf_counter() - start
+        start = time.perf_counter()
+        passes = jax.block_until_ready(algos.prepare_updates(adv_cfg, weights, lopti, rewards, rollout.group_ids,
+                                                             batch["response_mask"], batch["old_logprobs"]))
+        t["advantages"] = time.perf_counter() - start
+        start = time.perf_counter()
+        mark = len(getattr(step_fn, "padding", []))
+        params, opt_state, _ = algos.update_on_batch(step_fn, params, opt_state, batch, passes, args.mini_batch)
+        t["update"] = time.perf_counter() - start
+        if step == 0:
+            warm_compiles = len(compiles)
+        else:
+            for ph in PHASES:
+                times[ph].append(t[ph])
+        real = int(batch["attention_mask"].sum())
+        slots = batch["input_ids"].size
+        update_pad = float(np.mean(step_fn.padding[mark:])) if packed else 1 - real / slots
+        rows = batch["attention_mask"].sum(1)
+        stats = {"real_tokens": real, "dense_slots": slots, "update_padding": update_pad,
+                 "generated": int(lengths.sum()), "rollout_stats": getattr(rollout, "stats", None),
+                 "dense_attention_keys": attention_keys([batch["input_ids"].shape[1]] * len(rows)),
+                 "real_attention_keys": attention_keys(rows)}
+    record = {"label": args.label, "packed": packed, "forced_eos": forced, "num_params": cfg.num_params(),
+              "times": times, "stats": stats, "compiles_after_warmup": len(compiles) - warm_compiles}
+    print("RESULT " + json.dumps(record))
+    return record
+
+
+def spawn(args, label: str, pythonpath: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "run", "--label", label] + [
+        a for a in sys.argv[1:] if a not in ("--skip-tiny",)]
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=pythonpath)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{label} worker failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def flop_per_real_token(rec: dict, args) -> dict[str, float]:
+    """Model FLOP per real (prompt + response) token, per phase, from the slots each path processed."""
+    s, n = rec["stats"], rec["num_params"]
+    L, heads, hd = DIMS["layers"], DIMS["heads"], DIMS["hidden"] // DIMS["heads"]
+    attn = 4 * L * heads * hd  # FLOP per (query, key) pair, forward
+    packed = rec["packed"]
+    slots = s["real_tokens"] / (1 - s["update_padding"]) if packed else s["dense_slots"]
+    keys = s["real_attention_keys"] if packed else s["dense_attention_keys"]
+    fwd = 2 * n * slots + attn * keys
+    ro = s.get("rollout_stats") or {}
+    decode_slots = ro.get("decoded_row_steps", (args.prompts * args.n) * args.gen_len)
+    decode_keys = ro.get("attended_keys", (args.prompts * args.n) * sum(
+        args.prompt_len + t for t in range(args.gen_len)))
+    real = s["real_tokens"]
+    return {"rollout": (2 * n * decode_slots + attn * decode_keys) / real, "ref_logprobs": fwd / real,
+            "update": 2 * 3 * fwd / real}  # two Lopti passes, forward + backward
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return 0
+    import numpy as np
+
+    prompts, lengths = workload(args)
+    print(f"workload: {args.prompts} prompts x {args.n}, prompt {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens, responses median {int(np.median(lengths))} / mean {lengths.mean():.0f} / max {lengths.max()} "
+          f"of {args.gen_len} ({(lengths == args.gen_len).sum()} at the max); mini-batch {args.mini_batch}, dense "
+          f"micro-batch {args.micro} rows; tiny Qwen2 {DIMS}")
+    sides = {"after": str(ROOT)}
+    tmp = None
+    if args.before != "none":
+        tmp = tempfile.mkdtemp(prefix="before_")
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "arlopti_jax", "bench"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        (Path(tmp) / "bench" / "realistic.py").write_text(Path(__file__).read_text())
+        sides = {"before": tmp, **sides}
+    records = {side: [] for side in sides}
+    for r in range(args.rounds):
+        for side, path in sides.items():
+            rec = spawn(args, side, path)
+            records[side].append(rec)
+            med = {p: statistics.median(rec["times"][p]) for p in PHASES}
+            print(f"round {r + 1} {side}: step {sum(med.values()):.2f}s (" +
+                  ", ".join(f"{p} {v:.2f}s" for p, v in med.items()) + ")", flush=True)
+    print("\nmedians over rounds (seconds per RL step), padding share of processed slots, model FLOP per real token:")
+    print("| phase | " + " | ".join(f"{s} s | {s} padding | {s} FLOP/real token" for s in sides) + " |")
+    print("|---" * (1 + 3 * len(sides)) + "|")
+    summary = {}
+    for side, recs in records.items():
+        med = {p: statistics.median(statistics.median(r["times"][p]) for r in recs) for p in PHASES}
+        summary[side] = med
+    for p in PHASES + ("step",):
+        cells = []
+        for side, recs in records.items():
+            rec = recs[-1]
+            seconds = sum(summary[side].values()) if p == "step" else summary[side][p]
+            if p in ("update", "ref_logprobs"):
+                pad = f"{rec['stats']['update_padding']:.1%}"
+            elif p == "rollout":
+                ro = rec["stats"].get("rollout_stats") or {}
+                pad = f"{ro['padding']:.1%}" if "padding" in ro else \
+                    f"{1 - lengths.sum() / (len(lengths) * args.gen_len):.1%}"
+            else:
+                pad = "-"
+            flop = flop_per_real_token(rec, args).get(p)
+            cells.append(f"{seconds:.2f} | {pad} | {flop / 1e6:.1f}M" if flop else f"{seconds:.2f} | {pad} | -")
+        print(f"| {p} | " + " | ".join(cells) + " |")
+    if "before" in summary:
+        before, after = sum(summary["before"].values()), sum(summary["after"].values())
+        print(f"\nwhole RL step: before {before:.2f}s, after {after:.2f}s: {before / after:.2f}x faster")
+    after_compiles = [r["compiles_after_warmup"] for r in records["after"]]
+    print(f"compilations after the warm-up step (this checkout): {after_compiles}")
+    assert all(c == 0 for c in after_compiles), "this checkout recompiled after its warm-up step"
+    if not args.skip_tiny:
+        print("\n--- tiny-shape comparison with transformers (bench/tiny_vs_hf.py) ---", flush=True)
+        sys.path.insert(0, str(HERE))
+        import tiny_vs_hf
+
+        tiny_vs_hf.main(["--rounds", str(args.rounds)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
