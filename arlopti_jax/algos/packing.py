@@ -5,8 +5,10 @@ T = bucketed prompt length + max_response_length, however short the real sequenc
 update and the log-prob passes run on packed micro-batches instead. A micro-batch holds
 ``tokens_per_device`` (L) tokens per data x fsdp device, as ``L / S`` rows of ``S`` tokens:
 
-    S       the row length, the smallest entry of ``row_lengths(L)`` (divisors of L on a
-            ladder of >= 1.3x steps) that holds the longest sequence of the micro-batch;
+    S       the row length, an entry of ``row_lengths(L)`` (divisors of L on a ladder of
+            >= 1.3x steps) that holds the longest sequence of the micro-batch: the one that
+            packs the most real tokens per unit of cost, where a slot costs its linear work
+            plus S attended keys (``attention_cost``);
     rows    whole sequences back to back (first-fit, longest first), attending within their
             own sequence, so attention costs S keys per token, not L;
     tokens  token ids, ``segment_ids`` (1, 2, ... per sequence of the row, 0 = padding) and
@@ -15,9 +17,9 @@ update and the log-prob passes run on packed micro-batches instead. A micro-batc
             token's index in the dense batch (``target_src``), listed first in each row, so
             log-probs are computed at response positions only.
 
-Sequences are taken longest first: the first micro-batches hold the long sequences in long
-rows, the last ones the short sequences in short rows. A full micro-batch is [D * L / S, S];
-the last one of a mini-batch takes the smallest shape (rows per device 1 to 8, then 12, 16,
+Sequences are taken longest first: the first micro-batches hold the long sequences, the last
+ones the short sequences. A full micro-batch is [D * L / S, S];
+the last one of a mini-batch takes the cheapest shape (rows per device 1 to 8, then 12, 16,
 24, 32, ...; any row length of the ladder) that holds what is left. The passes compile once per shape
 used (a handful: both ladders are short), never per step. Padding is what the rows leave unfilled, typically a few percent. Everything here is a
 pure function of the lengths, so every process of a multi-process run computes the same plan.
@@ -97,10 +99,12 @@ def sequence_spans(attention_mask: np.ndarray, rows: np.ndarray | None = None) -
 
 
 def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, rows, *,
-                       tokens_per_device: int, num_devices: int) -> list[MicroBatch]:
+                       tokens_per_device: int, num_devices: int, attention_cost: float = 0.0) -> list[MicroBatch]:
     """Pack the sequences of dense batch ``rows`` into micro-batches of ``tokens_per_device``
     tokens per device on ``num_devices`` (data x fsdp) devices. Rows without tokens (batch
-    padding) are skipped."""
+    padding) are skipped. ``attention_cost``: the cost of one attended key per slot relative to
+    a slot's other (linear) cost (``attention_cost_per_key(model_cfg)``); a shape of ``rows x S``
+    costs rows * S * (1 + attention_cost * S)."""
     attention_mask, response_mask = np.asarray(attention_mask), np.asarray(response_mask)
     rows = np.asarray(rows, np.int64)
     spans = sequence_spans(attention_mask, rows)
@@ -113,12 +117,21 @@ def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, ro
                          "prompt + response")
     remaining = sorted(np.flatnonzero(lengths > 0).tolist(), key=lambda i: (-int(lengths[i]), i))
     ladder = row_lengths(tokens_per_device)
+    cost = lambda length, count: count * length * (1.0 + attention_cost * length)
     out = []
     while remaining:
-        length = next(s for s in ladder if s >= lengths[remaining[0]])
-        members, left = _first_fit(remaining, lengths, length, num_devices * (tokens_per_device // length))
-        if not left:  # the last micro-batch: the smallest shape that still holds every sequence
-            for shape in _smaller_shapes(ladder, length, tokens_per_device, num_devices):
+        # the row length that packs the most real tokens per unit of cost: longer rows fit short
+        # sequences together, at attention's price of more keys per token
+        best = None
+        for length in (s for s in ladder if s >= lengths[remaining[0]]):
+            count = num_devices * (tokens_per_device // length)
+            members, left = _first_fit(remaining, lengths, length, count)
+            value = sum(int(lengths[i]) for g in members for i in g) / cost(length, count)
+            if best is None or value > best[0]:
+                best = (value, length, members, left)
+        _, length, members, left = best
+        if not left:  # the last micro-batch: the cheapest shape that still holds every sequence
+            for shape in _smaller_shapes(ladder, int(lengths[remaining[0]]), tokens_per_device, num_devices, cost):
                 fit, rest = _first_fit(remaining, lengths, *shape)
                 if not rest:
                     length, members = shape[0], fit
@@ -134,11 +147,10 @@ def row_counts(max_rows: int) -> list[int]:
     return sorted(c for c in counts if c < max_rows) + [max_rows]
 
 
-def _smaller_shapes(ladder, shortest: int, tokens_per_device: int, num_devices: int) -> list[tuple[int, int]]:
-    """(row length >= shortest, rows) shapes with fewer slots than a full micro-batch, fewest slots
-    first (then shorter rows: cheaper attention)."""
+def _smaller_shapes(ladder, shortest: int, tokens_per_device: int, num_devices: int, cost) -> list[tuple[int, int]]:
+    """(row length >= shortest, rows) shapes with fewer slots than a full micro-batch, cheapest first."""
     full = num_devices * tokens_per_device
-    shapes = [(count * length, length, count) for length in ladder if length >= shortest
+    shapes = [(cost(length, count), length, count) for length in ladder if length >= shortest
               for count in (num_devices * r for r in row_counts(tokens_per_device // length)) if count * length < full]
     return [(length, count) for _, length, count in sorted(shapes)]
 

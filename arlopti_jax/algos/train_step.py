@@ -180,6 +180,7 @@ class TrainStep:
             raise ValueError(f"tokens_per_device={tokens_per_device}: must be >= 2")
         self.mesh, self.rules, self.loss_cfg = mesh, rules, loss_cfg
         self.tokens_per_device, self.num_devices = tokens_per_device, shd.batch_divisor(mesh)
+        self.attention_cost = model_cfg.attention_cost_per_key()
         self.keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
         self.row_sharding = shd.batch_sharding(mesh, 2)
         self.model = PackedModel(model_cfg, loss_cfg.temperature, chunk_size)
@@ -224,7 +225,8 @@ class TrainStep:
 
     def plan(self, batch: dict[str, np.ndarray], rows) -> list[packing.MicroBatch]:
         return packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], rows,
-                                          tokens_per_device=self.tokens_per_device, num_devices=self.num_devices)
+                                          tokens_per_device=self.tokens_per_device, num_devices=self.num_devices,
+                                          attention_cost=self.attention_cost)
 
     def _accumulated(self, params, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
         """(gradient accumulator, n_tokens) of the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
@@ -289,7 +291,8 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
         dense = _dense_host(batch, ("input_ids", "attention_mask", "response_mask"))
         shape = dense["input_ids"].shape
         plan = packing.plan_micro_batches(dense["attention_mask"], dense["response_mask"], np.arange(shape[0]),
-                                          tokens_per_device=tokens_per_device, num_devices=shd.batch_divisor(mesh))
+                                          tokens_per_device=tokens_per_device, num_devices=shd.batch_divisor(mesh),
+                                          attention_cost=model_cfg.attention_cost_per_key())
         values = []
         with shd.activate(mesh, rules):
             for mb in plan:

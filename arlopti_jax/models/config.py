@@ -78,6 +78,13 @@ class ModelConfig:
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
 
+    def attention_cost_per_key(self) -> float:
+        """FLOPs of one attended key per token (scores and values, 4 * heads * head_dim) over
+        the token's matmul FLOPs in a layer (2 per weight): what packing weighs row length by."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        weights = d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * f
+        return 4 * self.num_heads * h / (2 * weights)
+
     # ---- Hugging Face config.json ----
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
