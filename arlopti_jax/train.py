@@ -29,6 +29,7 @@ from arlopti_jax.metrics import MetricsWriter, Timer, mfu
 from arlopti_jax.models import save_pretrained
 from arlopti_jax.rollout import Sampler
 from arlopti_jax.tasks import load_reward_fn
+from arlopti_jax.tasks.kk import guess_accuracy
 
 DEFAULT_CONFIG = str(Path(__file__).with_name("default_config.py"))
 log = logging.getLogger("arlopti_jax.train")
@@ -203,33 +204,60 @@ def train(config) -> dict:
     export_dir = None
     if finished and config.train.export_at_end:
         export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
-    return summarize(config, history, started, export_dir, preempted=not finished)
+    return summarize(config, history, started, export_dir, preempted=not finished,
+                     chance=chance_levels(test_sets))
 
 
-def summarize(config, history, started, export_dir, preempted) -> dict:
+def chance_levels(test_sets: dict) -> dict[str, float | None]:
+    """Per test set, the accuracy of guessing (mean over its rows; None where a row's data
+    source does not define one)."""
+    out = {}
+    for name, data in test_sets.items():
+        levels = [guess_accuracy(r["data_source"]) for r in data.rows]
+        out[name] = float(np.mean(levels)) if levels and None not in levels else None
+    return out
+
+
+def reward_trend(rewards: list[float]) -> tuple[float, float, float] | None:
+    """(first-quarter mean, last-quarter mean, their difference in standard errors of the
+    difference) of the per-step training reward; None with fewer than 8 steps."""
+    k = len(rewards) // 4
+    if k < 2:
+        return None
+    first, last = np.asarray(rewards[:k]), np.asarray(rewards[-k:])
+    se = np.sqrt(first.var(ddof=1) / k + last.var(ddof=1) / k)
+    return float(first.mean()), float(last.mean()), float((last.mean() - first.mean()) / se) if se > 0 else 0.0
+
+
+def summarize(config, history, started, export_dir, preempted, chance: dict | None = None) -> dict:
     minutes = (time.time() - started) / 60
-    lines = ["", "=" * 64, f"arlopti_jax: {'stopped (preempted)' if preempted else 'finished'} in {minutes:.1f} min",
+    lines = ["", "=" * 72, f"arlopti_jax: {'stopped (preempted)' if preempted else 'finished'} in {minutes:.1f} min",
              f"run folder: {config.run_dir}   tensorboard --logdir {config.run_dir}"]
     rewards = history["reward"]
-    if rewards:
-        k = max(1, len(rewards) // 5)
-        lines.append(f"train reward: first {k} steps {np.mean(rewards[:k]):.3f} -> last {k} steps "
-                     f"{np.mean(rewards[-k:]):.3f}")
+    trend = reward_trend(rewards)
+    if trend:
+        lines.append(f"train reward: first quarter {trend[0]:.3f} -> last quarter {trend[1]:.3f} "
+                     f"({trend[2]:+.1f} standard errors, {len(rewards)} steps)")
+    elif rewards:
+        lines.append(f"train reward: mean {np.mean(rewards):.3f} over {len(rewards)} steps")
     before, after = history["before"], history["after"]
-    if before and after:
-        lines.append("accuracy before -> after (greedy | sampled):")
-        for name in sorted({k.split("/")[1] for k in after}):
-            b = (before.get(f"eval/{name}/greedy_acc", float("nan")), before.get(f"eval/{name}/sampled_acc", float("nan")))
-            a = (after.get(f"eval/{name}/greedy_acc", float("nan")), after.get(f"eval/{name}/sampled_acc", float("nan")))
-            lines.append(f"  {name:<20} {b[0]:.3f} -> {a[0]:.3f}   |   {b[1]:.3f} -> {a[1]:.3f}")
-    elif after:
-        lines.append(format_table(after))
+    chance = chance or {}
+    fmt = lambda v: "-" if v is None or np.isnan(v) else f"{v:.3f}"
+    if after:
+        lines.append(f"{'held-out accuracy':<20} {'greedy before -> after':>24} {'sampled before -> after':>25} {'chance':>7}")
+        for name in sorted({k.split("/")[1] for k in after if k.startswith("eval/")}):
+            get = lambda rec, kind: (rec or {}).get(f"eval/{name}/{kind}_acc", float("nan"))
+            level = chance.get(name) if name != "avg" else (
+                float(np.mean(list(chance.values()))) if chance and None not in chance.values() else None)
+            lines.append(f"{name:<20} {fmt(get(before, 'greedy')):>11} -> {fmt(get(after, 'greedy')):<9} "
+                         f"{fmt(get(before, 'sampled')):>12} -> {fmt(get(after, 'sampled')):<9} {fmt(level):>7}")
     if export_dir:
         lines.append(f"exported policy: {export_dir}")
-    lines.append("=" * 64)
+    lines.append("=" * 72)
     if jax.process_index() == 0:
         print("\n".join(lines))
-    return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted}
+    return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted,
+            "reward_trend": trend, "chance": chance}
 
 
 def main(argv) -> int:

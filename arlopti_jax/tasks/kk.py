@@ -76,6 +76,13 @@ KK_SCHEMA = pa.schema([
 ])  # fmt: skip
 
 
+def guess_accuracy(data_source: str) -> float | None:
+    """Accuracy of a uniform random guess of every role for a ``kk_logic<n>`` row (2^-n: each
+    of the n people is a knight or a knave), or None when the source does not name its n."""
+    n = data_source[len(DATA_SOURCE):]
+    return 2.0 ** -int(n) if data_source.startswith(DATA_SOURCE) and n.isdigit() and int(n) > 0 else None
+
+
 def prompt_messages(quiz: str, prompt_style: str = "template") -> list[dict[str, str]]:
     """The `prompt` column value for one quiz."""
     if prompt_style == "template":
