@@ -1,10 +1,11 @@
 """The RL trainer: sample -> reward -> advantage -> token weights -> (Lopti) updates.
 
     python -m arlopti_jax.train                                   # the embedded CPU default
-    python -m arlopti_jax.train --config=configs/kk_qwen2.5_3b_grpo_ar_lopti.py \\
+    python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti \\
         --config.model.path=/ckpt/Qwen2.5-3B-Instruct --config.data.train_files=data/kk/3ppl/train.parquet
 
-Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts, score them,
+Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts (optionally
+dropping zero-advantage groups and drawing more: ``algo.filter_groups``), score them,
 compute advantages and token weights, update the policy (twice with Lopti), log to
 TensorBoard, checkpoint, evaluate. SIGTERM saves a checkpoint and exits; ``resume=auto``
 continues from the newest good checkpoint with the same data order and RNG.
@@ -23,15 +24,26 @@ import numpy as np
 from arlopti_jax import algos, run_setup
 from arlopti_jax import distributed as dist
 from arlopti_jax.checkpoint import PreemptionFlag
-from arlopti_jax.config import ConfigError, validate
-from arlopti_jax.eval import Evaluator, append_jsonl, format_table, is_correct, score_rollout
+from arlopti_jax.cli import Command
+from arlopti_jax.collect import Collector
+from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
+from arlopti_jax.evaluation import Evaluator, append_jsonl, compare_table, format_table, is_correct
 from arlopti_jax.metrics import MetricsWriter, Timer, mfu
 from arlopti_jax.models import save_pretrained
 from arlopti_jax.rollout import Sampler
 from arlopti_jax.tasks import load_reward_fn
 
-DEFAULT_CONFIG = str(Path(__file__).with_name("default_config.py"))
 log = logging.getLogger("arlopti_jax.train")
+COMMAND = Command(
+    name="arlopti_jax.train", doc=__doc__, default_file=DEFAULT_CONFIG,
+    examples=(
+        "python -m arlopti_jax.train   # the embedded default: builds its start point, trains on a laptop CPU",
+        "python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti "
+        "--config.model.path=/models/Qwen2.5-3B-Instruct --config.run_dir=runs/kk3b",
+        "python -m arlopti_jax.train --config.algo.filter_groups=True --config.algo.overlong_buffer=16 "
+        "--config.train.eval_n=8 --config.train.eval_ks=1,4,8 --config.train.diagnostics_every=5",
+        "python -m arlopti_jax.train --help --config=configs/kk.py:7b,grpo   # this help with that file's values",
+    ))
 
 
 def rollout_metrics(rows, scores, lengths, truncated, n: int) -> dict[str, float]:
@@ -100,12 +112,14 @@ def train(config) -> dict:
     policy.params = None  # the trainer owns params from here (donated each step)
 
     sampler = Sampler(model_cfg, mesh)
-    sampling = run_setup.sampling_config(config, policy)
     micro = config.train.mini_batch // config.train.micro_batch
-    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, num_micro_batches=micro,
-                                       chunk_size=config.model.logprob_chunk)
+    chunk = config.model.logprob_chunk
+    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, num_micro_batches=micro, chunk_size=chunk)
     logprobs_fn = algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
-                                              num_micro_batches=micro, chunk_size=config.model.logprob_chunk)
+                                              num_micro_batches=micro, chunk_size=chunk)
+    diagnose_every = config.train.diagnostics_every
+    grad_norms_fn = algos.make_quartile_grad_norms(model_cfg, loss_cfg, mesh, num_micro_batches=micro,
+                                                   chunk_size=chunk) if diagnose_every else None
     reward_fn = load_reward_fn(config.reward.fn or None)
     evaluator = Evaluator(config, policy, sampler, test_sets, reward_fn)
     writer = MetricsWriter(run_dir)
@@ -113,14 +127,14 @@ def train(config) -> dict:
     preempted = PreemptionFlag()
     timer = Timer()
     n = config.rollout.n
-    mine = dist.block(config.train.batch_prompts)  # this process's prompts of every batch
-    history = {"before": None, "after": None, "reward": []}
+    collect = Collector(config, sampler, run_setup.sampling_config(config, policy), reward_fn, tokenizer, mesh, timer)
+    history = {"before": None, "after": None, "reward": [], "eval_settings": evaluator.settings}
 
     def evaluate(step):
         with timer("eval"):
             results = evaluator.run(params, jax.random.fold_in(key, 10**9 + step))
         writer.scalars(step, results)
-        append_jsonl(run_dir / "eval.jsonl", {"step": step, **results})
+        append_jsonl(run_dir / "eval.jsonl", {"step": step, **evaluator.settings, **results})
         return results
 
     def save(step):
@@ -130,23 +144,18 @@ def train(config) -> dict:
 
     if test_sets and config.train.eval_before and start_step == 0:
         history["before"] = evaluate(0)
-        log.info("before training:\n%s", format_table(history["before"]))
+        log.info("before training:\n%s", format_table(history["before"], evaluator.settings))
 
     from tqdm.auto import tqdm
 
     bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
     for step in bar:
-        rows = next(iterator)  # the global batch (the same on every process)
         step_key = jax.random.fold_in(key, step)
-        # 1. sample G responses per prompt with the current policy (this process's prompts)
-        with timer("rollout"):
-            rollout = sampler.generate(params, [r["prompt_ids"] for r in rows[mine]], n, step_key, sampling)
-        # 2. verifiable rewards on host, for this process's responses
-        with timer("reward"):
-            texts, scores = score_rollout(config, reward_fn, tokenizer, rows[mine], rollout, n)
-        # process-local rows -> global arrays (unchanged with one process)
-        batch = dist.global_rows(rollout.train_batch(), mesh)
-        rewards, group_ids = dist.global_rows((scores, rollout.group_ids + mine.start), mesh)
+        # 1-2. sample G responses per prompt with the current policy (each process its block of
+        # the prompts) and score them on host; with filter_groups, more rounds replace zero-advantage
+        # groups. Returns global arrays (unchanged with one process).
+        sampled = collect(params, iterator, step_key)
+        batch, rewards, group_ids = sampled.batch, sampled.rewards, sampled.group_ids
         if config.rollout.recompute_old_logprobs:
             old = logprobs_fn(params, batch)
             batch["old_logprobs"] = (old if dist.is_multiprocess() else np.asarray(old)) * batch["response_mask"]
@@ -155,16 +164,22 @@ def train(config) -> dict:
                                        batch["response_mask"], batch["old_logprobs"])
         if loss_cfg.use_kl:
             batch["ref_logprobs"] = logprobs_fn(ref_params, batch)
+        diagnostics = {}
+        if diagnose_every and step % diagnose_every == 0:  # the paper's Figure 1, before the update
+            with timer("diagnostics"):
+                diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes,
+                                                               config.train.mini_batch, mesh)
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
         with timer("update"):
             params, opt_state, pass_metrics = algos.update_on_batch(
                 train_step, params, opt_state, batch, passes, config.train.mini_batch)
         # 6. metrics
         seconds = timer.pop()
-        all_scores, lengths, truncated = dist.gather(scores, rollout.lengths, rollout.truncated)
+        all_scores, lengths = sampled.scores, sampled.lengths
         generated = int(lengths.sum())
         trained = int(batch["attention_mask"].sum()) * len(passes)
-        metrics = {**rollout_metrics(rows, all_scores, lengths, truncated, n),
+        metrics = {**rollout_metrics(sampled.rows, all_scores, lengths, sampled.truncated, n),
+                   **sampled.stats, **diagnostics,
                    **update_metrics(pass_metrics, lopti_cfg.enabled),
                    **quartile_metrics(batch, sum(a for a, _ in passes)),
                    **{f"time/{k}": v for k, v in seconds.items()},
@@ -178,7 +193,7 @@ def train(config) -> dict:
         valid = dist.to_host(batch["response_mask"]).astype(bool)
         writer.histogram(step + 1, "pi_old", np.exp(dist.to_host(batch["old_logprobs"])[valid]))
         if step % config.train.samples_every == 0:
-            writer.text(step + 1, "samples", f"reward {scores[0]:.2f}\n\n```\n{texts[0]}\n```")
+            writer.text(step + 1, "samples", f"reward {sampled.sample_score:.2f}\n\n```\n{sampled.sample_text}\n```")
         history["reward"].append(float(all_scores.mean()))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
         # 7. checkpoint (asynchronous), 8. evaluation
@@ -215,13 +230,10 @@ def summarize(config, history, started, export_dir, preempted) -> dict:
                      f"{np.mean(rewards[-k:]):.3f}")
     before, after = history["before"], history["after"]
     if before and after:
-        lines.append("accuracy before -> after (greedy | sampled):")
-        for name in sorted({k.split("/")[1] for k in after}):
-            b = (before.get(f"eval/{name}/greedy_acc", float("nan")), before.get(f"eval/{name}/sampled_acc", float("nan")))
-            a = (after.get(f"eval/{name}/greedy_acc", float("nan")), after.get(f"eval/{name}/sampled_acc", float("nan")))
-            lines.append(f"  {name:<20} {b[0]:.3f} -> {a[0]:.3f}   |   {b[1]:.3f} -> {a[1]:.3f}")
+        lines.append("evaluation before -> after:")
+        lines.append(compare_table(before, after, history["eval_settings"]))
     elif after:
-        lines.append(format_table(after))
+        lines.append(format_table(after, history["eval_settings"]))
     if export_dir:
         lines.append(f"exported policy: {export_dir}")
     lines.append("=" * 64)
@@ -253,11 +265,11 @@ def main(argv) -> int:
 def _cli():
     from ml_collections import config_flags
 
-    from arlopti_jax.config import parse_command_line
+    from arlopti_jax.cli import parse_command_line
 
     define = lambda: config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).",
                                                      lock_config=True)
-    sys.exit(main(parse_command_line(sys.argv, DEFAULT_CONFIG, define)))
+    sys.exit(main(parse_command_line(sys.argv, COMMAND, define)))
 
 
 if __name__ == "__main__":
