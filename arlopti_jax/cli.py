@@ -138,7 +138,7 @@ def config_table(docs: dict[str, str] = FIELD_DOCS) -> str:
     for name in docs:
         value = _show(_get(base, name))
         rows.append(f"| `{name}` | {'`' + value + '`' if isinstance(_get(base, name), str) else value} "
-                    f"| {docs[name]} |")
+                    f"| {docs[name].replace('|', chr(92) + '|')} |")  # a bare | would end the cell
     return "\n".join(rows)
 
 

@@ -175,10 +175,9 @@ def train(config) -> dict:
                 train_step, params, opt_state, batch, passes, config.train.mini_batch)
         # 6. metrics
         seconds = timer.pop()
-        all_scores, lengths = sampled.scores, sampled.lengths
-        generated = int(lengths.sum())
+        generated = int(sampled.lengths.sum())
         trained = int(batch["attention_mask"].sum()) * len(passes)
-        metrics = {**rollout_metrics(sampled.rows, all_scores, lengths, sampled.truncated, n),
+        metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.lengths, sampled.truncated, n),
                    **sampled.stats, **diagnostics,
                    **update_metrics(pass_metrics, lopti_cfg.enabled),
                    **quartile_metrics(batch, sum(a for a, _ in passes)),
@@ -194,7 +193,7 @@ def train(config) -> dict:
         writer.histogram(step + 1, "pi_old", np.exp(dist.to_host(batch["old_logprobs"])[valid]))
         if step % config.train.samples_every == 0:
             writer.text(step + 1, "samples", f"reward {sampled.sample_score:.2f}\n\n```\n{sampled.sample_text}\n```")
-        history["reward"].append(float(all_scores.mean()))
+        history["reward"].append(float(sampled.scores.mean()))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
         # 7. checkpoint (asynchronous), 8. evaluation
         done = step + 1
