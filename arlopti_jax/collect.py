@@ -137,13 +137,14 @@ class Collector:
         stats = {"dynamic/rounds": float(len(rounds)), "dynamic/dropped_share": len(dropped) / sampled,
                  "dynamic/filled_groups": float(max(0, self.prompts - len(informative)))}
         # every round's rows from every process, in global order (the identity with one process)
-        pad = self.sampling.pad_id
-        width = max(r.rollout.prompt_ids.shape[1] for r in rounds) + self.sampling.max_response_len
+        prompt_width = max(r.rollout.prompt_ids.shape[1] for r in rounds)
+        response_width = max(r.rollout.response_ids.shape[1] for r in rounds)
         names = sorted(rounds[0].rollout.train_batch())
         parts = []
         for r in rounds:
             local = r.rollout.train_batch()
-            local = [_left_pad(local[k], width, pad if k == "input_ids" else 0) for k in names]
+            local = [_pad(local[k], r.rollout.prompt_ids.shape[1], prompt_width, response_width,
+                          self.sampling.pad_id if k == "input_ids" else 0) for k in names]
             parts.append(dist.gather(*local, r.rewards))
         every = [np.concatenate(column) for column in zip(*parts)]  # [rounds x batch_prompts x n, ...]
         group = np.array([r * self.prompts + g for r, g in chosen])
@@ -157,5 +158,8 @@ class Collector:
         return batch, rewards, group_ids, stats
 
 
-def _left_pad(x: np.ndarray, width: int, value) -> np.ndarray:
-    return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
+def _pad(x: np.ndarray, prompt: int, prompt_width: int, response_width: int, value) -> np.ndarray:
+    """A round's [rows, prompt + response] array -> [rows, prompt_width + response_width]: the
+    prompt part padded on the left, the response part on the right (rounds' widths differ)."""
+    response = x.shape[1] - prompt
+    return np.pad(x, ((0, 0), (prompt_width - prompt, response_width - response)), constant_values=value)

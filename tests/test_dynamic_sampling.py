@@ -28,7 +28,8 @@ class Tokens:
 
 
 class ScriptedSampler:
-    """Sample s of every prompt answers [10 + s, EOS]; records the keys it was given."""
+    """Sample s of every prompt answers [10 + s, EOS]; records the keys it was given. Call c
+    returns responses padded to 2 + c tokens (a sampler may trim to the longest response)."""
 
     def __init__(self):
         self.keys = []
@@ -40,7 +41,7 @@ class ScriptedSampler:
         for i, p in enumerate(np.repeat(np.arange(len(prompts)), n)):
             prompt_ids[i, width - len(prompts[p]):] = prompts[p]
             prompt_mask[i, width - len(prompts[p]):] = 1
-        response = np.full((rows, sampling.max_response_len), PAD, np.int32)
+        response = np.full((rows, min(sampling.max_response_len, 1 + len(self.keys))), PAD, np.int32)
         response[:, 0] = 10 + np.tile(np.arange(n), len(prompts))
         response[:, 1] = EOS
         mask = (response != PAD).astype(np.int32)
