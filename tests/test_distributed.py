@@ -20,7 +20,7 @@ from arlopti_jax import run_setup
 from arlopti_jax.checkpoint import Checkpointer
 from arlopti_jax.config import ConfigError, base_config
 from arlopti_jax.train import train
-from test_train import make_config, overrides, start_point, step_metrics  # noqa: F401 (fixture)
+from test_train import make_config, overrides, step_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = sorted((REPO / "launch").glob("*.sh"))
@@ -42,7 +42,7 @@ def eval_records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
 
 
-def test_two_processes_reproduce_one_process(start_point, tmp_path):  # noqa: F811
+def test_two_processes_reproduce_one_process(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "one", **{
         "data.test_files": str(start_point / "data" / "test_2ppl.parquet"),
         "data.max_prompt_length": 128,  # one prompt-length bucket: fewer compilations

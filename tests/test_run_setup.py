@@ -15,7 +15,7 @@ from arlopti_jax.evaluation import Evaluator
 from arlopti_jax.models import load_pretrained
 from arlopti_jax.rollout import Sampler
 from hf_fixtures import write_hf_model
-from test_train import make_config, overrides, start_point  # noqa: F401 (fixture)
+from test_train import make_config, overrides
 
 
 class NoEosTokenizer:
@@ -59,7 +59,7 @@ def test_eos_ids_from_generation_config_stop_the_sampler(tmp_path):
         run_setup.eos_ids(policy)
 
 
-def test_sampled_evaluation_uses_eval_temperature(start_point, tmp_path):  # noqa: F811
+def test_sampled_evaluation_uses_eval_temperature(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "t", **{"train.eval_n": 2, "train.eval_ks": (1, 2),
                                                        "rollout.temperature": 1.0})
     test_file = start_point / "data" / "test_2ppl.parquet"

@@ -16,17 +16,10 @@ import pytest
 from arlopti_jax import run_setup
 from arlopti_jax.checkpoint import Checkpointer
 from arlopti_jax.default_config import get_config
-from arlopti_jax.start_point import ensure_start_point
 from arlopti_jax.train import train
 
-SMALL = dict(sft_steps=3, sft_rows_per_size=24, train_rows_per_size=40, test_rows_per_size=6)
 # metrics that depend on wall time, not on the computation
 TIMING = ("time/", "throughput/")
-
-
-@pytest.fixture(scope="session")  # built once per test process, shared by every module that imports it
-def start_point(tmp_path_factory):
-    return ensure_start_point(tmp_path_factory.mktemp("sp") / "start_point", seed=0, sizes=SMALL)
 
 
 def overrides(sp: Path, run_dir: Path, **extra) -> dict:
