@@ -7,8 +7,12 @@ differs. ``validate`` runs at start-up and raises ``ConfigError`` naming the fie
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_collections
 
+# The config file the train and eval commands use without --config: the embedded CPU default.
+DEFAULT_CONFIG = str(Path(__file__).with_name("default_config.py"))
 ADV_ESTIMATORS = ("grpo", "reinforce_plus_plus", "rloo", "dr_grpo")
 WEIGHTINGS = ("none", "ar", "tr")
 LOPTI_SPLITS = ("threshold", "quantile")
@@ -66,6 +70,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.tr_max = 1.0
     c.algo.lopti_eta = 0.0  # 0 = off; >0 low-probability pass first; <0 high-probability pass first
     c.algo.lopti_split = "threshold"  # threshold on pi_old, or the eta-quantile of the batch
+    # DAPO's dynamic sampling and soft overlong penalty; both off, so the paper's runs are unchanged
+    c.algo.filter_groups = False
+    c.algo.max_sample_rounds = 4
+    c.algo.overlong_buffer = 0
+    c.algo.overlong_penalty = 1.0
 
     c.loss = ml_collections.ConfigDict()
     c.loss.clip_low = 0.2
@@ -99,11 +108,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 20
     c.train.eval_before = True
     c.train.eval_n = 1  # sampled responses per test prompt (besides greedy)
+    c.train.eval_ks = (1,)  # pass@k / maj@k / mean@k for these k (each <= eval_n)
+    c.train.eval_temperature = 1.0  # the reference samples its evaluation at 1.0, not the rollout temperature
     c.train.eval_max_prompts = -1  # cap per data_source for quick evaluation; -1 = all
     c.train.save_every = 20
     c.train.keep_checkpoints = 3
     c.train.samples_every = 10  # sample completions to TensorBoard
     c.train.export_at_end = True
+    c.train.diagnostics_every = 0  # gradient norm per pi_old quartile every this many steps; 0 = off
 
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = ""  # "" = built-in router by data_source; or "module:function"
@@ -120,6 +132,104 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed.num_processes = 0
     c.distributed.process_id = -1
     return c
+
+
+# What each field means: the one source for `--help` and the README's config table (a test checks
+# that every field has an entry and that the README's table is this one).
+FIELD_DOCS = {
+    "run_dir": "run folder: TensorBoard events, `metrics.jsonl`, `eval.jsonl`, `checkpoints/`, `export/`",
+    "seed": "sampling RNG seed",
+    "resume": "`auto`: continue from the newest good checkpoint in `run_dir`; `none`: refuse if checkpoints "
+              "exist; or a checkpoint step folder",
+    "model.path": "local Hugging Face folder (config.json, tokenizer, safetensors, optional "
+                  "generation_config.json); `\"\"` = the embedded start point",
+    "model.dtype": "activation dtype (`float32`, `bfloat16`); log-probs and losses are float32",
+    "model.param_dtype": "weight dtype, and so the AdamW state's",
+    "model.remat": "rematerialise each layer in the backward pass",
+    "model.unroll_layers": "layers as straight-line code instead of a scanned loop: faster small models on CPU, "
+                           "longer compiles",
+    "model.logprob_chunk": "positions per vocabulary-projection chunk (no [B, T, V] tensor is held)",
+    "data.train_files": "comma-separated parquet/jsonl files or folders",
+    "data.test_files": "comma-separated parquet/jsonl files or folders; each test file is reported separately",
+    "data.prompt_style": "`template`: the prompt text already holds the chat template (public K&K files); "
+                         "`messages`: apply the tokenizer's chat template; `auto`: decide per row",
+    "data.max_prompt_length": "longer prompts are dropped, and the drop is reported per file",
+    "data.shuffle_seed": "data order (reshuffled each epoch with seed + epoch; the last partial batch is dropped)",
+    "rollout.n": "responses per prompt (the group size G)",
+    "rollout.temperature": "sampling temperature; pi_old is the temperature-scaled full distribution",
+    "rollout.top_p": "nucleus sampling (1 = off)",
+    "rollout.top_k": "top-k sampling (0 = off)",
+    "rollout.max_response_length": "response tokens, EOS included",
+    "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this)",
+    "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler",
+    "algo.adv_estimator": "`grpo`, `reinforce_plus_plus`, `rloo`, `dr_grpo`",
+    "algo.weighting": "token weights: `none`, `ar` (Advantage Reweighting), `tr` (TR-GRPO)",
+    "algo.ar_alpha": "AR alpha (paper: 0.2 alone, 0.3 with Lopti)",
+    "algo.tr_scale": "TR-GRPO a in w = clip(a (sigmoid(p / tau) - mu), min, max); TR constants are this "
+                     "project's choice (reasons in `algos/token_weights.py`)",
+    "algo.tr_tau": "TR-GRPO tau",
+    "algo.tr_mu": "TR-GRPO mu",
+    "algo.tr_min": "TR-GRPO lower clip of the weight",
+    "algo.tr_max": "TR-GRPO upper clip of the weight",
+    "algo.lopti_eta": "Lopti threshold on pi_old: 0 = off, > 0 low pass first, < 0 high pass first "
+                      "(paper: 0.4 alone, 0.5 with AR)",
+    "algo.lopti_split": "`threshold`, or `quantile` (threshold = the |eta|-quantile of the batch's pi_old)",
+    "algo.filter_groups": "DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and "
+                          "sample more prompts until `train.batch_prompts` groups remain",
+    "algo.max_sample_rounds": "with `filter_groups`, at most this many generation rounds per step; if the "
+                              "batch is still short, dropped groups fill it (logged)",
+    "algo.overlong_buffer": "DAPO soft overlong penalty: L_c tokens; a response of L tokens gets "
+                            "overlong_penalty x min(0, (max_response_length - L_c - L) / L_c) added "
+                            "to its reward; 0 = off",
+    "algo.overlong_penalty": "the overlong penalty's factor (its value at max_response_length)",
+    "loss.clip_low": "PPO clip range below 1",
+    "loss.clip_high": "PPO clip range above 1 (clip-higher)",
+    "loss.dual_clip": "dual clip applied where A < 0",
+    "loss.kl_coef": "KL to the frozen initial policy; 0 disables it, along with the reference policy",
+    "loss.kl_type": "KL estimator: `k1`, `k2`, `k3`/`low_var_kl`",
+    "loss.entropy_coef": "entropy bonus",
+    "loss.agg": "`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`",
+    "optim.lr": "AdamW learning rate",
+    "optim.b1": "AdamW beta1",
+    "optim.b2": "AdamW beta2",
+    "optim.weight_decay": "AdamW weight decay (every parameter)",
+    "optim.eps": "AdamW epsilon",
+    "optim.grad_clip": "global gradient-norm clip",
+    "optim.schedule": "`constant` or `warmup_cosine` (counted in optimizer steps)",
+    "optim.warmup_steps": "linear warm-up, in optimizer steps",
+    "optim.min_lr_ratio": "`warmup_cosine` decays to lr x this",
+    "train.batch_prompts": "prompts per RL step",
+    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps)",
+    "train.micro_batch": "responses per forward/backward; gradients are accumulated inside the jit",
+    "train.max_tokens_per_micro_batch": "tokens per data x fsdp device of one packed micro-batch (sequences packed "
+                                        "back to back, no padding to full width); 0 = the dense micro-batch's share, "
+                                        "micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)",
+    "train.epochs": "passes over the training data (when `max_steps` is -1)",
+    "train.max_steps": "RL steps; -1 = epochs x batches per epoch",
+    "train.eval_every": "evaluate every this many steps (and at the end)",
+    "train.eval_before": "evaluate before the first step",
+    "train.eval_n": "sampled responses per test prompt, besides the greedy one",
+    "train.eval_ks": "k values of pass@k, maj@k and mean@k, each <= `eval_n` (e.g. `1,4,8`)",
+    "train.eval_temperature": "temperature of the sampled evaluation (the reference uses 1.0 with top_p 1)",
+    "train.eval_max_prompts": "evaluate at most this many prompts per test file; -1 = all",
+    "train.save_every": "asynchronous orbax checkpoint every this many steps (and at the end, and on SIGTERM)",
+    "train.keep_checkpoints": "checkpoints kept",
+    "train.samples_every": "sample completions to TensorBoard every this many steps",
+    "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",
+    "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
+                               "this many steps; 0 = off",
+    "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
+                 "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
+    "reward.workers": "parallel scoring processes (0 = score in the trainer's process)",
+    "reward.timeout_s": "per-response scoring time limit, seconds",
+    "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices)",
+    "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",
+    "mesh.tensor": "tensor-parallel mesh axis size (-1 = the rest)",
+    "distributed.coordinator": "`host:port` of process 0; `\"\"` = from SLURM, or a single process; `auto` = "
+                               "JAX's detection (Cloud TPU)",
+    "distributed.num_processes": "process count (0 = from SLURM or JAX)",
+    "distributed.process_id": "this process's id (-1 = from SLURM or JAX)",
+}
 
 
 def _check(cond: bool, field: str, value, allowed: str) -> None:
@@ -185,6 +295,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
            "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch,
            f"must be 0 (auto) or hold the longest sequence, data.max_prompt_length + "
            f"rollout.max_response_length = {longest}")
+    ks = t.eval_ks
+    _check(isinstance(ks, (tuple, list)) and len(ks) > 0 and all(type(k) is int and 1 <= k <= t.eval_n for k in ks),
+           "train.eval_ks", ks, f"must be integers k with 1 <= k <= train.eval_n = {t.eval_n}, e.g. 1,4,8")
+    _check(t.eval_temperature > 0, "train.eval_temperature", t.eval_temperature, "must be > 0")
+    _check(t.diagnostics_every >= 0, "train.diagnostics_every", t.diagnostics_every, "must be >= 0 (0 = off)")
+    a = c.algo
+    _check(a.max_sample_rounds >= 1, "algo.max_sample_rounds", a.max_sample_rounds, "must be >= 1")
+    _check(not a.filter_groups or c.rollout.n >= 2, "algo.filter_groups", a.filter_groups,
+           "needs rollout.n >= 2 (a group of one response never has unequal rewards)")
+    _check(0 <= a.overlong_buffer < c.rollout.max_response_length, "algo.overlong_buffer", a.overlong_buffer,
+           f"must be in [0, rollout.max_response_length = {c.rollout.max_response_length}) (0 = off)")
+    _check(a.overlong_penalty >= 0, "algo.overlong_penalty", a.overlong_penalty, "must be >= 0")
     _check(c.reward.workers >= 0, "reward.workers", c.reward.workers, "must be >= 0")
     _check(c.reward.timeout_s > 0, "reward.timeout_s", c.reward.timeout_s, "must be > 0")
     _check(not c.reward.fn or ":" in c.reward.fn, "reward.fn", c.reward.fn, "must be 'module:function' or ''")
@@ -200,11 +322,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
                f"must be divisible by the mesh's data x fsdp = {per} (batch is split over those axes)")
 
 
-def _field_paths(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+def field_paths(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every leaf field's dotted path."""
     out = []
     for key, value in c.items():
         path = f"{prefix}{key}"
-        out += _field_paths(value, path + ".") if isinstance(value, ml_collections.ConfigDict) else [path]
+        out += field_paths(value, path + ".") if isinstance(value, ml_collections.ConfigDict) else [path]
     return out
 
 
@@ -227,50 +350,3 @@ def apply_layout(c: ml_collections.ConfigDict, data: int, fsdp: int, tensor: int
         c.model.param_dtype = param_dtype
     c.model.remat = True
     return c
-
-
-def _config_from_file(argv: list[str], default_file: str) -> ml_collections.ConfigDict | None:
-    """The config that ``--config=FILE[:ARG]`` names (without overrides), or None if it fails."""
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), default_file)
-    path, _, arg = spec.partition(":")
-    try:
-        return load_config_file(path, arg)
-    except Exception:
-        return None
-
-
-def parse_command_line(argv: list[str], default_file: str, define_flags) -> list[str]:
-    """Define (``define_flags()``) and parse absl flags (``--config=FILE --config.a.b=v``); on a
-    bad flag print one line naming it and exit with status 2. Returns the remaining argv."""
-    import difflib
-    import sys
-
-    from absl import flags
-
-    try:
-        define_flags()  # ml_collections' config flags already read sys.argv here
-        rest = flags.FLAGS(argv)
-        flags.FLAGS.config.keys()  # the config file loads lazily: fail here, not mid-run
-        return rest
-    except Exception as err:  # absl/ml_collections raise several types for bad overrides
-        root = err
-        while root.__cause__ is not None or root.__context__ is not None:
-            root = root.__cause__ or root.__context__
-        last_line = lambda e: str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
-        message = last_line(err)
-        if isinstance(root, OSError):
-            message = f"cannot load the config file: {last_line(root)}"
-        base = _config_from_file(argv[1:], default_file)
-        if base is not None:
-            known = _field_paths(base)
-            for arg in argv[1:]:
-                if not arg.startswith("--config."):
-                    continue
-                field = arg[len("--config."):].split("=", 1)[0]
-                if field not in known:
-                    close = difflib.get_close_matches(field, known, n=1)
-                    hint = f"; did you mean config.{close[0]}?" if close else ""
-                    message = f"config.{field} is not a config field{hint}"
-                    break
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)

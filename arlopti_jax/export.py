@@ -21,6 +21,16 @@ from arlopti_jax.checkpoint import Checkpointer
 from arlopti_jax.models import ModelConfig, save_pretrained
 
 
+EPILOG = """\
+It takes no config file and no --config flags: the run's config (model dtype, mesh) is the one
+stored in the checkpoint.
+
+examples:
+  python -m arlopti_jax.export --checkpoint runs/default/checkpoints/40 --out exports/default
+  python -m arlopti_jax.export --checkpoint runs/kk3b/checkpoints/120 --out exports/kk3b_step120
+"""
+
+
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     folder = Path(checkpoint).absolute()
     if not folder.is_dir() or not folder.name.isdigit():
@@ -43,7 +53,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m arlopti_jax.export", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m arlopti_jax.export", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a checkpoint step folder: RUN/checkpoints/STEP")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")

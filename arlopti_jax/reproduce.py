@@ -170,7 +170,7 @@ class Sweep:
         from arlopti_jax.config import validate
         from arlopti_jax.default_config import get_config
         from arlopti_jax.start_point import ensure_start_point
-        from arlopti_jax.train import train
+        from arlopti_jax.trainer import train
 
         started = time.time()
         self.out.mkdir(parents=True, exist_ok=True)

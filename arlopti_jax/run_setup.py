@@ -6,6 +6,7 @@ Shared by ``train``, ``eval`` and ``export`` so the three read a config the same
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -64,17 +65,33 @@ def load_policy(config, mesh, model_path: Path) -> Policy:
     return Policy(model_cfg, params, tokenizer, model_path)
 
 
+def _as_ids(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
 def eos_ids(policy: Policy) -> tuple[int, ...]:
-    ids = {policy.tokenizer.eos_token_id}
-    eos = policy.model_cfg.eos_token_id
-    ids.update(eos if isinstance(eos, tuple) else (eos,))
+    """Every id that ends a response: the tokenizer's EOS, config.json's ``eos_token_id`` and
+    generation_config.json's (Qwen2.5-Instruct lists both <|im_end|> and <|endoftext|> there)."""
+    ids = {policy.tokenizer.eos_token_id, *_as_ids(policy.model_cfg.eos_token_id)}
+    generation = Path(policy.model_path) / "generation_config.json"
+    if generation.is_file():
+        try:
+            ids.update(_as_ids(json.loads(generation.read_text()).get("eos_token_id")))
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{generation}: not a JSON object ({err})") from None
+    bad = [i for i in ids if i is not None and (type(i) is not int or i < 0)]
+    if bad:
+        raise ValueError(f"EOS token ids {bad} (tokenizer, config.json or generation_config.json of "
+                         f"{policy.model_path}) are not token ids")
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def sampling_config(config, policy: Policy, *, greedy: bool = False) -> SamplingConfig:
+def sampling_config(config, policy: Policy, *, greedy: bool = False, temperature: float | None = None) -> SamplingConfig:
+    """The rollout's sampling settings (``temperature`` replaces rollout.temperature, for evaluation)."""
     r = config.rollout
     pad = policy.tokenizer.pad_token_id
-    return SamplingConfig(max_response_len=r.max_response_length, temperature=r.temperature, top_p=r.top_p,
+    return SamplingConfig(max_response_len=r.max_response_length,
+                          temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                           top_k=r.top_k, greedy=greedy, eos_ids=eos_ids(policy),
                           pad_id=pad if pad is not None else eos_ids(policy)[0], prompt_bucket=r.prompt_bucket)
 

@@ -6,29 +6,22 @@
 
 Rows hold ``prompt`` (a string or chat messages, rendered as the RL loader does) and
 ``response`` (the target text; the tokenizer's EOS is appended). The loss is the mean
-negative log-likelihood of response tokens. ``tiny=True`` builds the embedded default's
-start point instead: a tokenizer trained on generated K&K text and a small random
-Qwen2 model, warm-started on generated K&K worked solutions (see ``start_point``).
-The result is a Hugging Face folder that ``arlopti_jax.train`` loads as ``model.path``.
+negative log-likelihood of response tokens (``arlopti_jax.supervised``). ``tiny=True``
+builds the embedded default's start point instead: a tokenizer trained on generated K&K
+text and a small random Qwen2 model, warm-started on generated K&K worked solutions (see
+``start_point``). The result is a Hugging Face folder that ``arlopti_jax.train`` loads as
+``model.path``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
-import optax
-from tqdm.auto import tqdm
 
-from arlopti_jax import sharding as shd
-from arlopti_jax.models import ModelConfig, param_shardings, save_pretrained, token_logprobs
-from arlopti_jax.tasks.data import render_prompt
+from arlopti_jax.cli import Command
 
 log = logging.getLogger(__name__)
 
@@ -45,110 +38,40 @@ def sft_config() -> ml_collections.ConfigDict:
     return c
 
 
-def tokenize_pairs(rows: list[dict], tokenizer, max_length: int) -> dict[str, np.ndarray]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (response + EOS tokens)."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("the tokenizer has no eos_token: SFT targets need one to end responses")
-    seqs, masks = [], []
-    for i, row in enumerate(rows):
-        if "prompt" not in row or "response" not in row:
-            raise ValueError(f"SFT row {i} needs 'prompt' and 'response' columns, has {sorted(row)}")
-        prompt = tokenizer(render_prompt(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
-        response = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [eos]
-        seq = (prompt + response)[:max_length]
-        seqs.append(seq)
-        masks.append(([0] * len(prompt) + [1] * len(response))[:max_length])
-    length = max(len(s) for s in seqs)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    out = {k: np.zeros((len(seqs), length), np.int32) for k in ("input_ids", "attention_mask", "loss_mask")}
-    out["input_ids"][:] = pad
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        out["input_ids"][i, :len(s)] = s
-        out["attention_mask"][i, :len(s)] = 1
-        out["loss_mask"][i, :len(m)] = m
-    return out
-
-
-def read_pairs(paths) -> list[dict]:
-    """Rows with ``prompt`` and ``response`` from parquet/jsonl files or folders."""
-    import datasets
-
-    from arlopti_jax.tasks.data import DATA_SUFFIXES, resolve_data_files
-
-    rows = []
-    for path in resolve_data_files(paths):
-        ds = datasets.load_dataset(DATA_SUFFIXES[path.suffix], data_files=str(path), split="train")
-        for i, row in enumerate(ds):
-            for col in ("prompt", "response"):
-                if row.get(col) is None:
-                    raise ValueError(f"{path}: row {i}: missing column {col!r}")
-            rows.append({"prompt": row["prompt"], "response": row["response"]})
-    return rows
-
-
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, grad_clip: float):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1), lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
-
-
-def make_sft_step(model_cfg: ModelConfig, optimizer, mesh, rules=shd.DEFAULT_RULES):
-    p_shard = param_shardings(model_cfg, mesh, rules)
-    b_shard = shd.batch_sharding(mesh)
-
-    def loss_fn(params, batch):
-        lp, _ = token_logprobs(model_cfg, params, batch["input_ids"], batch["attention_mask"])
-        mask = batch["loss_mask"].astype(jnp.float32)
-        return -jnp.sum(lp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1), in_shardings=(p_shard, None, b_shard),
-                       out_shardings=(p_shard, None, None))
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
-def run_sft(model_cfg: ModelConfig, params, tokenizer, rows: list[dict], *, steps: int, batch: int,
-            lr: float, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0,
-            max_length: int = 1024, seed: int = 0, mesh=None, desc: str = "sft") -> tuple[dict, list[float]]:
-    """Train ``params`` on ``rows``; returns the new params and the loss per step."""
-    mesh = mesh if mesh is not None else shd.make_mesh({"fsdp": -1})
-    data = tokenize_pairs(rows, tokenizer, max_length)
-    if len(rows) < batch:
-        raise ValueError(f"SFT needs at least batch={batch} rows, got {len(rows)}")
-    optimizer = make_optimizer(lr, steps, warmup, weight_decay, grad_clip)
-    with shd.activate(mesh):
-        opt_state = jax.jit(optimizer.init)(params)
-        step = make_sft_step(model_cfg, optimizer, mesh)
-        rng = np.random.default_rng(seed)
-        order, pos, losses = rng.permutation(len(rows)), 0, []
-        bar = tqdm(range(steps), desc=desc, disable=jax.process_index() != 0)
-        for _ in bar:
-            if pos + batch > len(order):
-                order, pos = rng.permutation(len(rows)), 0
-            idx = np.sort(order[pos:pos + batch])
-            pos += batch
-            # trim to the longest row of this batch, rounded up to 32 (few compiled shapes)
-            longest = int(data["attention_mask"][idx].sum(1).max())
-            width = min(data["input_ids"].shape[1], -(-longest // 32) * 32)
-            # placed explicitly: a multi-process run (process 0 building the start point on its own
-            # devices) may not pass host arrays to a jit with shardings
-            mb = jax.device_put({k: v[idx, :width] for k, v in data.items()}, shd.batch_sharding(mesh))
-            params, opt_state, loss = step(params, opt_state, mb)
-            losses.append(float(loss))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    return params, losses
+SFT_FIELD_DOCS = {
+    "tiny": "build the embedded default's start point in `out_dir` (ignores model.path and data.files)",
+    "out_dir": "the Hugging Face folder to write",
+    "seed": "data order seed (and the start point's, with `tiny`)",
+    "model.path": "local Hugging Face folder to fine-tune",
+    "model.dtype": "activation dtype (`float32`, `bfloat16`)",
+    "model.param_dtype": "weight dtype",
+    "model.remat": "rematerialise each layer in the backward pass",
+    "data.files": "comma-separated parquet/jsonl files or folders with `prompt` and `response` columns",
+    "data.max_length": "prompt + response tokens kept per row (longer rows are cut)",
+    "train.steps": "optimizer steps",
+    "train.batch": "rows per step",
+    "train.lr": "peak learning rate (linear warm-up, cosine decay to a tenth)",
+    "train.warmup": "warm-up steps",
+    "train.weight_decay": "AdamW weight decay",
+    "train.grad_clip": "global gradient-norm clip",
+}
+COMMAND = Command(
+    name="arlopti_jax.sft", doc=__doc__, default_config=sft_config, docs=SFT_FIELD_DOCS,
+    examples=(
+        "python -m arlopti_jax.sft --config.model.path=/models/Qwen2.5-0.5B-Instruct "
+        "--config.data.files=pairs.jsonl --config.out_dir=runs/sft",
+        "python -m arlopti_jax.tasks.kk sft --people 3 --count 1000 --seed 0 --out kk3_sft.jsonl"
+        "   # K&K worked solutions as pairs",
+        "python -m arlopti_jax.sft --config.tiny=True --config.out_dir=runs/start_point   # the default's start point",
+    ))
 
 
 def main(argv) -> int:
     from absl import flags
-    from ml_collections import config_flags
 
-    from arlopti_jax.models import load_pretrained
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.models import load_pretrained, save_pretrained
+    from arlopti_jax.supervised import read_pairs, run_sft
 
     cfg = flags.FLAGS.config
     out = Path(cfg.out_dir)
@@ -178,15 +101,12 @@ def main(argv) -> int:
 
 
 def _cli():
-    from absl import flags
     from ml_collections import config_flags
 
-    try:
-        config_flags.DEFINE_config_dict("config", sft_config(), lock_config=True)
-        argv = flags.FLAGS(sys.argv)
-    except Exception as err:
-        print(f"error: {str(err).strip().splitlines()[-1] if str(err).strip() else err!r}", file=sys.stderr)
-        sys.exit(2)
+    from arlopti_jax.cli import parse_command_line
+
+    define = lambda: config_flags.DEFINE_config_dict("config", sft_config(), lock_config=True)
+    argv = parse_command_line(sys.argv, COMMAND, define)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(main(argv))
 

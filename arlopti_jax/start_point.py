@@ -93,7 +93,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = None) -> Path:
     """Build (or reuse) the start point in ``folder``; returns ``folder``."""
-    from arlopti_jax.sft import run_sft
+    from arlopti_jax.supervised import run_sft
 
     folder = Path(folder)
     if (folder / "model" / "config.json").is_file() and (folder / "data" / "train.parquet").is_file():

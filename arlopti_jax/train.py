@@ -1,10 +1,11 @@
 """The RL trainer: sample -> reward -> advantage -> token weights -> (Lopti) updates.
 
     python -m arlopti_jax.train                                   # the embedded CPU default
-    python -m arlopti_jax.train --config=configs/kk_qwen2.5_3b_grpo_ar_lopti.py \\
+    python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti \\
         --config.model.path=/ckpt/Qwen2.5-3B-Instruct --config.data.train_files=data/kk/3ppl/train.parquet
 
-Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts, score them,
+Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts (optionally
+dropping zero-advantage groups and drawing more: ``algo.filter_groups``), score them,
 compute advantages and token weights, update the policy (twice with Lopti), log to
 TensorBoard, checkpoint, evaluate. SIGTERM saves a checkpoint and exits; ``resume=auto``
 continues from the newest good checkpoint with the same data order and RNG.
@@ -14,250 +15,25 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
-from pathlib import Path
 
 import jax
-import numpy as np
 
-from arlopti_jax import algos, run_setup
 from arlopti_jax import distributed as dist
-from arlopti_jax.checkpoint import PreemptionFlag
-from arlopti_jax.config import ConfigError, validate
-from arlopti_jax.eval import Evaluator, append_jsonl, format_table, is_correct, score_rollout
-from arlopti_jax.metrics import MetricsWriter, Timer, mfu
-from arlopti_jax.models import save_pretrained
-from arlopti_jax.rollout import Sampler
-from arlopti_jax.tasks import load_reward_fn
-from arlopti_jax.tasks.kk import guess_accuracy
+from arlopti_jax import run_setup
+from arlopti_jax.cli import Command
+from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
+from arlopti_jax.trainer import train
 
-DEFAULT_CONFIG = str(Path(__file__).with_name("default_config.py"))
-log = logging.getLogger("arlopti_jax.train")
-
-
-def rollout_metrics(rows, scores, lengths, truncated, n: int) -> dict[str, float]:
-    """Reward, accuracy and length metrics of a whole (global) batch: ``rows`` its prompts,
-    the arrays one value per response."""
-    sources = [rows[i // n]["data_source"] for i in range(len(scores))]
-    correct = np.array([is_correct(s, v) for s, v in zip(sources, scores)], np.float32)
-    out = {"reward/mean": scores.mean(), "reward/std": scores.std(), "acc/all": correct.mean(),
-           "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
-           "response/truncated": truncated.mean()}
-    for source in sorted(set(sources)):
-        pick = np.array([s == source for s in sources])
-        out[f"acc/{source}"] = correct[pick].mean()
-        out[f"reward/{source}"] = scores[pick].mean()
-    return out
-
-
-def update_metrics(pass_metrics: list[dict], lopti: bool) -> dict[str, float]:
-    names = ("low", "high") if lopti else ("",)
-    out = {}
-    for name, metrics in zip(names, pass_metrics):
-        prefix = f"update/{name}/" if name else "update/"
-        out.update({prefix + k: v for k, v in metrics.items()})
-    return out
-
-
-def quartile_metrics(batch, advantages) -> dict[str, float]:
-    q = jax.tree.map(dist.to_host, algos.probability_quartiles(batch["old_logprobs"], advantages,
-                                                               batch["response_mask"]))
-    out = {}
-    for i in range(4):
-        out[f"quartile/q{i + 1}_mean_prob"] = q["mean_prob"][i]
-        out[f"quartile/q{i + 1}_mean_abs_adv"] = q["mean_abs_adv"][i]
-        out[f"quartile/q{i + 1}_tokens"] = q["count"][i]
-    return out
-
-
-def train(config) -> dict:
-    """Run training per ``config``; returns the final summary (also printed)."""
-    started = time.time()
-    run_dir = Path(config.run_dir)
-    mesh = run_setup.make_mesh(config)
-    model_path, train_files, test_files = run_setup.resolve_paths(config)
-    policy = run_setup.load_policy(config, mesh, model_path)
-    model_cfg, tokenizer = policy.model_cfg, policy.tokenizer
-
-    train_data = run_setup.prompt_dataset(config, train_files, tokenizer)
-    iterator = run_setup.train_iterator(config, train_data)
-    test_sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], tokenizer) for f in test_files}
-    steps = run_setup.total_steps(config, iterator)
-
-    adv_cfg, weight_cfg, lopti_cfg, loss_cfg = run_setup.algo_configs(config)
-    optimizer = run_setup.make_optimizer(config, steps)
-    ckpt = run_setup.checkpointer(config)
-    restored = run_setup.restore_from(config, ckpt, run_setup.abstract_state(model_cfg, optimizer, mesh))
-    ref_params = policy.params if loss_cfg.use_kl else None  # frozen: never donated
-    if restored is None:
-        start_step, key = 0, jax.random.key(config.seed)
-        params = jax.tree_util.tree_map(lambda x: x.copy(), policy.params) if ref_params is not None else policy.params
-        opt_state = algos.init_opt_state(optimizer, model_cfg, params, mesh)
-    else:
-        start_step, state, meta = restored
-        params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
-        iterator.load_state_dict(meta["data"])
-        log.info("resumed from %s/%d", ckpt.directory, start_step)
-    policy.params = None  # the trainer owns params from here (donated each step)
-
-    sampler = Sampler(model_cfg, mesh)
-    sampling = run_setup.sampling_config(config, policy)
-    tokens = run_setup.tokens_per_micro_batch(config, mesh)  # per device: the update packs sequences
-    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens,
-                                       chunk_size=config.model.logprob_chunk)
-    logprobs_fn = algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
-                                              tokens_per_device=tokens, chunk_size=config.model.logprob_chunk)
-    reward_fn = load_reward_fn(config.reward.fn or None)
-    evaluator = Evaluator(config, policy, sampler, test_sets, reward_fn)
-    writer = MetricsWriter(run_dir)
-    writer.text(0, "config", f"```\n{config.to_json_best_effort(indent=2)}\n```")
-    preempted = PreemptionFlag()
-    timer = Timer()
-    n = config.rollout.n
-    mine = dist.block(config.train.batch_prompts)  # this process's prompts of every batch
-    history = {"before": None, "after": None, "reward": []}
-
-    def evaluate(step):
-        with timer("eval"):
-            results = evaluator.run(params, jax.random.fold_in(key, 10**9 + step))
-        writer.scalars(step, results)
-        append_jsonl(run_dir / "eval.jsonl", {"step": step, **results})
-        return results
-
-    def save(step):
-        state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
-        ckpt.save(step, state, {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
-                                "config": config.to_json_best_effort()})
-
-    if test_sets and config.train.eval_before and start_step == 0:
-        history["before"] = evaluate(0)
-        log.info("before training:\n%s", format_table(history["before"]))
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
-    for step in bar:
-        rows = next(iterator)  # the global batch (the same on every process)
-        step_key = jax.random.fold_in(key, step)
-        # 1. sample G responses per prompt with the current policy (this process's prompts)
-        with timer("rollout"):
-            rollout = sampler.generate(params, [r["prompt_ids"] for r in rows[mine]], n, step_key, sampling)
-        # 2. verifiable rewards on host, for this process's responses
-        with timer("reward"):
-            texts, scores = score_rollout(config, reward_fn, tokenizer, rows[mine], rollout, n)
-        # every process's rows -> the global batch on every process's host (packed for the update)
-        local = rollout.train_batch()
-        batch = dict(zip(local, dist.gather(*local.values())))
-        rewards, group_ids = dist.gather(scores, rollout.group_ids + mine.start)
-        if config.rollout.recompute_old_logprobs:
-            batch["old_logprobs"] = logprobs_fn(params, batch)
-        # 3-4. advantages, token weights (AR / TR) and the Lopti split, as update passes
-        passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, rewards, group_ids,
-                                       batch["response_mask"], batch["old_logprobs"])
-        if loss_cfg.use_kl:
-            batch["ref_logprobs"] = logprobs_fn(ref_params, batch)
-        # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
-        mark = len(train_step.padding)
-        with timer("update"):
-            params, opt_state, pass_metrics = algos.update_on_batch(
-                train_step, params, opt_state, batch, passes, config.train.mini_batch)
-        # 6. metrics
-        seconds = timer.pop()
-        all_scores, lengths, truncated = dist.gather(scores, rollout.lengths, rollout.truncated)
-        generated = int(lengths.sum())
-        trained = int(batch["attention_mask"].sum()) * len(passes)
-        metrics = {**rollout_metrics(rows, all_scores, lengths, truncated, n),
-                   **update_metrics(pass_metrics, lopti_cfg.enabled),
-                   **quartile_metrics(batch, sum(a for a, _ in passes)),
-                   **{f"time/{k}": v for k, v in seconds.items()},
-                   "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
-                   "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
-                   "throughput/update_padding": float(np.mean(train_step.padding[mark:])),
-                   "train/epoch": iterator.epoch}
-        util = mfu(model_cfg.num_params(), trained, seconds["update"])
-        if util is not None:
-            metrics["throughput/train_mfu"] = util
-        writer.scalars(step + 1, metrics)
-        valid = batch["response_mask"].astype(bool)
-        writer.histogram(step + 1, "pi_old", np.exp(batch["old_logprobs"][valid]))
-        if step % config.train.samples_every == 0:
-            writer.text(step + 1, "samples", f"reward {scores[0]:.2f}\n\n```\n{texts[0]}\n```")
-        history["reward"].append(float(all_scores.mean()))
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
-        # 7. checkpoint (asynchronous), 8. evaluation
-        done = step + 1
-        stop = dist.any_process(bool(preempted))  # every host saves the same step
-        if done % config.train.save_every == 0 or done == steps or stop:
-            save(done)
-        if stop:
-            log.warning("received %s: saved checkpoint %d, exiting",
-                        preempted.signal_name or "a stop signal on another process", done)
-            break
-        if test_sets and (done % config.train.eval_every == 0 or done == steps):
-            history["after"] = evaluate(done)
-
-    stop = dist.any_process(bool(preempted))
-    ckpt.close()
-    writer.close()
-    preempted.close()
-    finished = not stop
-    export_dir = None
-    if finished and config.train.export_at_end:
-        export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
-    return summarize(config, history, started, export_dir, preempted=not finished,
-                     chance=chance_levels(test_sets))
-
-
-def chance_levels(test_sets: dict) -> dict[str, float | None]:
-    """Per test set, the accuracy of guessing (mean over its rows; None where a row's data
-    source does not define one)."""
-    out = {}
-    for name, data in test_sets.items():
-        levels = [guess_accuracy(r["data_source"]) for r in data.rows]
-        out[name] = float(np.mean(levels)) if levels and None not in levels else None
-    return out
-
-
-def reward_trend(rewards: list[float]) -> tuple[float, float, float] | None:
-    """(first-quarter mean, last-quarter mean, their difference in standard errors of the
-    difference) of the per-step training reward; None with fewer than 8 steps."""
-    k = len(rewards) // 4
-    if k < 2:
-        return None
-    first, last = np.asarray(rewards[:k]), np.asarray(rewards[-k:])
-    se = np.sqrt(first.var(ddof=1) / k + last.var(ddof=1) / k)
-    return float(first.mean()), float(last.mean()), float((last.mean() - first.mean()) / se) if se > 0 else 0.0
-
-
-def summarize(config, history, started, export_dir, preempted, chance: dict | None = None) -> dict:
-    minutes = (time.time() - started) / 60
-    lines = ["", "=" * 72, f"arlopti_jax: {'stopped (preempted)' if preempted else 'finished'} in {minutes:.1f} min",
-             f"run folder: {config.run_dir}   tensorboard --logdir {config.run_dir}"]
-    rewards = history["reward"]
-    trend = reward_trend(rewards)
-    if trend:
-        lines.append(f"train reward: first quarter {trend[0]:.3f} -> last quarter {trend[1]:.3f} "
-                     f"({trend[2]:+.1f} standard errors, {len(rewards)} steps)")
-    elif rewards:
-        lines.append(f"train reward: mean {np.mean(rewards):.3f} over {len(rewards)} steps")
-    before, after = history["before"], history["after"]
-    chance = chance or {}
-    fmt = lambda v: "-" if v is None or np.isnan(v) else f"{v:.3f}"
-    if after:
-        lines.append(f"{'held-out accuracy':<20} {'greedy before -> after':>24} {'sampled before -> after':>25} {'chance':>7}")
-        for name in sorted({k.split("/")[1] for k in after if k.startswith("eval/")}):
-            get = lambda rec, kind: (rec or {}).get(f"eval/{name}/{kind}_acc", float("nan"))
-            level = chance.get(name) if name != "avg" else (
-                float(np.mean(list(chance.values()))) if chance and None not in chance.values() else None)
-            lines.append(f"{name:<20} {fmt(get(before, 'greedy')):>11} -> {fmt(get(after, 'greedy')):<9} "
-                         f"{fmt(get(before, 'sampled')):>12} -> {fmt(get(after, 'sampled')):<9} {fmt(level):>7}")
-    if export_dir:
-        lines.append(f"exported policy: {export_dir}")
-    lines.append("=" * 72)
-    if jax.process_index() == 0:
-        print("\n".join(lines))
-    return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted,
-            "reward_trend": trend, "chance": chance}
+COMMAND = Command(
+    name="arlopti_jax.train", doc=__doc__, default_file=DEFAULT_CONFIG,
+    examples=(
+        "python -m arlopti_jax.train   # the embedded default: builds its start point, trains on a laptop CPU",
+        "python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti "
+        "--config.model.path=/models/Qwen2.5-3B-Instruct --config.run_dir=runs/kk3b",
+        "python -m arlopti_jax.train --config.algo.filter_groups=True --config.algo.overlong_buffer=16 "
+        "--config.train.eval_n=8 --config.train.eval_ks=1,4,8 --config.train.diagnostics_every=5",
+        "python -m arlopti_jax.train --help --config=configs/kk.py:7b,grpo   # this help with that file's values",
+    ))
 
 
 def main(argv) -> int:
@@ -283,11 +59,11 @@ def main(argv) -> int:
 def _cli():
     from ml_collections import config_flags
 
-    from arlopti_jax.config import parse_command_line
+    from arlopti_jax.cli import parse_command_line
 
     define = lambda: config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).",
                                                      lock_config=True)
-    sys.exit(main(parse_command_line(sys.argv, DEFAULT_CONFIG, define)))
+    sys.exit(main(parse_command_line(sys.argv, COMMAND, define)))
 
 
 if __name__ == "__main__":

@@ -59,4 +59,5 @@ def get_config(arg: str = "3b,grpo_ar_lopti"):
     c.train.eval_every = 20
     c.train.save_every = 20
     c.train.eval_n = 1
+    c.train.eval_temperature = 1.0  # the reference samples its evaluation at 1.0 (top_p 1), not at 0.7
     return c

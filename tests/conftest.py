@@ -8,3 +8,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+# The embedded default's start point at test size (the `start_point` fixture).
+SMALL = dict(sft_steps=3, sft_rows_per_size=24, train_rows_per_size=40, test_rows_per_size=6)
+
+
+@pytest.fixture(scope="session")  # built once per test process, shared by every test module
+def start_point(tmp_path_factory):
+    from arlopti_jax.start_point import ensure_start_point
+
+    return ensure_start_point(tmp_path_factory.mktemp("sp") / "start_point", seed=0, sizes=SMALL)

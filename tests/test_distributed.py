@@ -20,7 +20,7 @@ from arlopti_jax import run_setup
 from arlopti_jax.checkpoint import Checkpointer
 from arlopti_jax.config import ConfigError, base_config
 from arlopti_jax.train import train
-from test_train import make_config, overrides, start_point, step_metrics  # noqa: F401 (fixture)
+from test_train import make_config, overrides, step_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = sorted((REPO / "launch").glob("*.sh"))
@@ -42,12 +42,16 @@ def eval_records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
 
 
-def test_two_processes_reproduce_one_process(start_point, tmp_path):  # noqa: F811
+def test_two_processes_reproduce_one_process(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "one", **{
         "data.test_files": str(start_point / "data" / "test_2ppl.parquet"),
         "data.max_prompt_length": 128,  # one prompt-length bucket: fewer compilations
         "train.batch_prompts": 8, "train.mini_batch": 16, "train.max_steps": 3, "train.eval_every": 100,
-        "reward.fn": "reward_fixtures:length_reward", "reward.workers": 0, "mesh.fsdp": 8})
+        "reward.fn": "reward_fixtures:half_constant_reward", "reward.workers": 0, "mesh.fsdp": 8,
+        # dynamic sampling gathers groups across processes; pass@k statistics and the quartile
+        # gradient norms are gathered / computed on global arrays
+        "algo.filter_groups": True, "algo.max_sample_rounds": 2, "train.diagnostics_every": 1,
+        "train.eval_n": 2, "train.eval_ks": (1, 2)})
     train(make_config(values))  # 1 process x 8 devices (tests/conftest.py)
 
     two = tmp_path / "two"
@@ -70,6 +74,7 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):  # noqa: F8
 
     # process 0 alone wrote the logs (one line per step), with the global values
     assert_records_match(step_metrics(two), step_metrics(tmp_path / "one"), "metrics.jsonl")
+    assert any(m.get("dynamic/rounds", 0) > 1 for m in step_metrics(two).values())  # groups were dropped
     lines = lambda run: len((run / "metrics.jsonl").read_text().splitlines())
     assert lines(two) == lines(tmp_path / "one") == 5  # eval at 0, steps 1-3, eval at 3
     assert_records_match(eval_records(two), eval_records(tmp_path / "one"), "eval.jsonl")

@@ -134,3 +134,66 @@ def test_builtin_rewards_take_verl_arguments():
     assert compute_kk_score(KK_RIGHT, KK_GT, {"index": 0}) == 3.0
     assert compute_math_score("\\boxed{1}", "1", None) == 1.0
     assert registry.reward_for("kk_logic5") is compute_kk_score
+
+
+# verl's compute_score is a plain function people call from anywhere: an unguarded script and
+# stdin must get the score (math-verify runs in a worker process that must not re-run them).
+UNGUARDED = """
+from arlopti_jax.tasks import compute_score, score_batch
+half = "<|im_start|>assistant\\nso \\\\boxed{\\\\frac{1}{2}}"
+print("single", compute_score("math_dsr", half, "0.5"), compute_score("math_dsr", half, "0.25"))
+print("batch", score_batch(compute_score, ["math_dsr"] * 8, [half] * 8, ["0.5", "0.25"] * 4, num_workers=2))
+"""
+
+
+def _run_python(args, stdin=None, cwd=None):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=300,
+                          env=env, cwd=cwd)
+
+
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_compute_score_from_unguarded_script_and_stdin(how, tmp_path):
+    script = tmp_path / "score_me.py"
+    script.write_text(UNGUARDED)
+    proc = _run_python([str(script)]) if how == "script" else _run_python(["-"], stdin=UNGUARDED, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines == ["single 1.0 0.0", f"batch {[1.0, 0.0] * 4}"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_reward_defined_in_unguarded_main_says_what_to_do(tmp_path):
+    user_fn = "def my_reward(source, text, truth, extra=None):\n    return 1.0\n"
+    call = "from arlopti_jax.tasks import score_batch\nscore_batch(my_reward, ['x'] * 8, ['s'] * 8, [None] * 8, num_workers=1)\n"
+    script = tmp_path / "mine.py"
+    script.write_text(user_fn + call)
+    proc = _run_python([str(script)])
+    assert proc.returncode != 0 and "if __name__ == '__main__':" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    proc = _run_python(["-"], stdin=user_fn + call, cwd=tmp_path)
+    assert proc.returncode != 0 and "define the function in a module file" in proc.stderr.splitlines()[-1], \
+        proc.stderr[-2000:]
+    # guarded, the same function is scored in workers
+    script.write_text(user_fn + "if __name__ == '__main__':\n" + "".join(f"    {l}\n" for l in call.splitlines())
+                      .replace("score_batch(my", "print(score_batch(my").replace("num_workers=1)", "num_workers=1))"))
+    proc = _run_python([str(script)])
+    assert proc.returncode == 0 and proc.stdout.strip() == str([1.0] * 8), proc.stderr[-2000:]
+
+
+def test_answers_for_majority_voting():
+    from arlopti_jax.tasks import answer_for
+
+    kk = answer_for("kk_logic3")
+    assert kk(KK_RIGHT, KK_GT) == (("Ava", "knight"), ("Mia", "knave"))
+    assert kk(KK_WRONG, KK_GT) == (("Ava", "knave"), ("Mia", "knave"))
+    assert kk("<|im_start|>assistant\n<think>x</think> Ava is a knight", KK_GT) is None  # format fails
+    math = answer_for("math_dsr")
+    assert math("<think>t</think> so \\boxed{\\dfrac{1}{2}}", "0.5") == "\\frac{1}{2}"
+    assert math("<think>t</think> \\boxed{142.0}", "142") == math("\\boxed{ 142 }", "142") == "142"
+    assert math("no box here", "1") is None and math("\\boxed{__import__('os')}", "1") is None
+    assert answer_for("my_custom_source") is None

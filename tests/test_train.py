@@ -16,17 +16,10 @@ import pytest
 from arlopti_jax import run_setup
 from arlopti_jax.checkpoint import Checkpointer
 from arlopti_jax.default_config import get_config
-from arlopti_jax.start_point import ensure_start_point
 from arlopti_jax.train import train
 
-SMALL = dict(sft_steps=3, sft_rows_per_size=24, train_rows_per_size=40, test_rows_per_size=6)
 # metrics that depend on wall time, not on the computation
 TIMING = ("time/", "throughput/")
-
-
-@pytest.fixture(scope="module")
-def start_point(tmp_path_factory):
-    return ensure_start_point(tmp_path_factory.mktemp("sp") / "start_point", seed=0, sizes=SMALL)
 
 
 def overrides(sp: Path, run_dir: Path, **extra) -> dict:
@@ -52,7 +45,8 @@ def make_config(values: dict):
 
 
 def cli(values: dict) -> list[str]:
-    return [sys.executable, "-m", "arlopti_jax.train"] + [f"--config.{k}={v}" for k, v in values.items()]
+    flag = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v
+    return [sys.executable, "-m", "arlopti_jax.train"] + [f"--config.{k}={flag(v)}" for k, v in values.items()]
 
 
 def step_metrics(run_dir: Path) -> dict[int, dict]:
@@ -96,6 +90,47 @@ def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
     train(make_config({**values, "resume": "auto"}))
     got = step_metrics(tmp_path / "b")
     for step in (1, 2, 3, 4):
+        assert got[step] == want[step], f"step {step} differs after resume"
+
+
+def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, tmp_path, capsys):
+    """filter_groups + diagnostics_every=1 + pass@k evaluation: the metrics are logged, and a
+    kill + resume=auto reproduces the uninterrupted run."""
+    values = overrides(start_point, tmp_path / "a", **{
+        "algo.filter_groups": True, "algo.max_sample_rounds": 3, "train.diagnostics_every": 1,
+        "reward.fn": "reward_fixtures:half_constant_reward", "reward.workers": 0,
+        "data.max_prompt_length": 128,  # one prompt-length bucket: fewer compilations
+        "data.test_files": str(start_point / "data" / "test_2ppl.parquet"), "train.eval_every": 4,
+        "train.eval_n": 4, "train.eval_ks": (1, 2, 4), "train.eval_temperature": 0.9, "train.eval_max_prompts": 4})
+    train(make_config(values))  # A: uninterrupted, in this process
+    out = capsys.readouterr().out
+    want = step_metrics(tmp_path / "a")
+    assert set(want) == {0, 1, 2, 3, 4}
+    for step in (1, 2, 3, 4):
+        m = want[step]
+        assert 1 <= m["dynamic/rounds"] <= 3 and 0 <= m["dynamic/dropped_share"] <= 1
+        assert all(m[f"quartile/q{q}_grad_norm"] > 0 for q in range(1, 5))
+    assert any(want[s]["dynamic/rounds"] > 1 for s in (1, 2, 3, 4))  # even-index prompts' groups were dropped
+    evals = [json.loads(line) for line in (tmp_path / "a" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals] == [0, 4] and all(r["eval_temperature"] == 0.9 for r in evals)
+    for r in evals:  # unbiased pass@1 and mean@eval_n are both the sampled accuracy
+        acc = r["eval/test_2ppl/sampled_acc"]
+        assert r["eval/test_2ppl/pass@1"] == pytest.approx(acc) and r["eval/test_2ppl/mean@4"] == pytest.approx(acc)
+        assert acc <= r["eval/test_2ppl/pass@2"] <= r["eval/test_2ppl/pass@4"] <= 1
+        assert {"eval/test_2ppl/maj@1", "eval/test_2ppl/maj@4", "eval/avg/pass@4"} <= set(r)
+    assert "pass@4" in out and "temperature 0.9" in out  # the end-of-run summary
+
+    # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
+    values["run_dir"] = str(tmp_path / "b")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    wait_for(lambda: (tmp_path / "b" / "checkpoints" / "2" / "commit_success.txt").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(step_metrics(tmp_path / "b")) < 4, "the kill came too late to test anything"
+    train(make_config({**values, "resume": "auto"}))
+    got = step_metrics(tmp_path / "b")
+    for step in (0, 1, 2, 3, 4):
         assert got[step] == want[step], f"step {step} differs after resume"
 
 

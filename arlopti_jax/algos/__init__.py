@@ -7,7 +7,8 @@ One rollout batch, top to bottom (see ``train_step.update_on_batch``):
 
 from arlopti_jax.algos.advantages import (AdvantageConfig, advantage_estimators, compute_advantages,
                                           register_advantage_estimator)
-from arlopti_jax.algos.diagnostics import make_quartile_grad_norms, probability_quartiles, quartile_masks
+from arlopti_jax.algos.diagnostics import (isolation_experiment, make_quartile_grad_norms, probability_quartiles,
+                                           quartile_grad_norm_metrics, quartile_masks)
 from arlopti_jax.algos.losses import (AGG_MODES, KL_ESTIMATORS, LossConfig, aggregation_weights, kl_penalty, policy_loss,
                                       ppo_clipped_loss)
 from arlopti_jax.algos.token_weights import (LoptiConfig, TokenWeightConfig, lopti_masks, lopti_threshold,
@@ -19,7 +20,8 @@ from arlopti_jax.algos.train_step import (OptimConfig, TrainStep, current_lr, in
 
 __all__ = [
     "AdvantageConfig", "advantage_estimators", "compute_advantages", "register_advantage_estimator",
-    "make_quartile_grad_norms", "probability_quartiles", "quartile_masks",
+    "isolation_experiment", "make_quartile_grad_norms", "probability_quartiles", "quartile_grad_norm_metrics",
+    "quartile_masks",
     "AGG_MODES", "KL_ESTIMATORS", "LossConfig", "aggregation_weights", "kl_penalty", "policy_loss",
     "ppo_clipped_loss",
     "LoptiConfig", "TokenWeightConfig", "lopti_masks", "lopti_threshold", "prepare_updates",

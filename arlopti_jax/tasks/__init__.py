@@ -7,6 +7,6 @@ Modules: kk_puzzles (logic, solver, generator), kk (rows, parquet, CLI), kk_rewa
 math_reward, registry (routing, batched scoring), workers (sandbox processes), data.
 """
 
-from arlopti_jax.tasks.registry import compute_score, load_reward_fn, score_batch
+from arlopti_jax.tasks.registry import answer_for, compute_score, load_reward_fn, score_batch
 
-__all__ = ["compute_score", "load_reward_fn", "score_batch"]
+__all__ = ["answer_for", "compute_score", "load_reward_fn", "score_batch"]

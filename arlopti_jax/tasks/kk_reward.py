@@ -102,6 +102,13 @@ def kk_outcome(solution_str: str, ground_truth: Any) -> KKOutcome:
     return KKOutcome(True, parsed, correct, FORMAT_OK + (ANSWER_CORRECT if correct else ANSWER_WRONG))
 
 
+def kk_answer(solution_str: str, ground_truth: Any) -> tuple[tuple[str, str], ...] | None:
+    """The response's answer for majority voting: its parsed assignment as sorted (name, role)
+    pairs, or None when the format check or the parsing fails."""
+    parsed = kk_outcome(solution_str, ground_truth).parsed
+    return None if parsed is None else tuple(sorted(parsed.items()))
+
+
 def compute_kk_score(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     """The Logic-RL total: 3, -0.5, -1 or -3 (see the module docstring)."""
     return kk_outcome(solution_str, ground_truth).score

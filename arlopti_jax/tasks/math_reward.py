@@ -208,6 +208,16 @@ def answers_match(answer: str, truths: Sequence[str], timeout_s: float = DEFAULT
     return bool(result[0])
 
 
+def math_answer(solution_str: str, ground_truth: Any = None) -> str | None:
+    """The response's answer for majority voting: its last boxed answer, normalised
+    (``normalize_answer``), or None when there is none or it is unsafe to parse. Equivalent
+    forms that normalise differently ('0.5', '\\frac{1}{2}') count as different answers."""
+    answer = last_boxed(final_response(solution_str))
+    if answer is None or not answer.strip() or not is_safe_answer(answer):
+        return None
+    return normalize_answer(answer) or None
+
+
 def compute_math_score(
     solution_str: str,
     ground_truth: Any,

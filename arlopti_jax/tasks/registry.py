@@ -18,9 +18,14 @@ spawn/forkserver, safe with JAX in the parent) with a per-item time limit; an it
 that raises, overruns or returns a non-finite value gets `failure_score`. Batches
 smaller than `inline_below` are scored in this process (the built-in rewards bound
 their own time there: math grading runs in its own sandbox process). Pools are kept
-between calls and shut down at exit (`shutdown_pools`). Spawned workers import the
-parent's __main__ module, so a script that scores in parallel needs the usual
-`if __name__ == "__main__":` guard.
+between calls and shut down at exit (`shutdown_pools`). Workers do not import the
+caller's __main__ module, so scoring works from any script, `python -`, or a notebook;
+only a reward function defined in __main__ itself makes them import it (the script then
+needs the usual `if __name__ == "__main__":` guard; from stdin or a notebook, define
+the function in a module, or pass num_workers=0).
+
+`answer_for(data_source)` gives the answer extractor majority voting (maj@k) uses:
+K&K's parsed assignment, math's normalised boxed answer; None for other sources.
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from arlopti_jax.tasks.kk_reward import compute_kk_score
-from arlopti_jax.tasks.math_reward import compute_math_score
+from arlopti_jax.tasks.kk_reward import compute_kk_score, kk_answer
+from arlopti_jax.tasks.math_reward import compute_math_score, math_answer
 from arlopti_jax.tasks.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,16 @@ def reward_for(data_source: str) -> Callable[[str, Any, Any], float]:
         f"'{KK_PREFIX}*' and {', '.join(MATH_DATA_SOURCES)}; pass a custom reward "
         "function as 'module:function'"
     )
+
+
+def answer_for(data_source: str) -> Callable[[str, Any], Hashable | None] | None:
+    """``answer(solution_str, ground_truth)`` of a built-in data source (None: no answer
+    parsed), or None when the source has no built-in answer format."""
+    if data_source.startswith(KK_PREFIX):
+        return kk_answer
+    if data_source in MATH_DATA_SOURCES:
+        return math_answer
+    return None
 
 
 def compute_score(
@@ -96,15 +111,16 @@ def _as_score(value: Any, failure_score: float) -> float:
     return score if math.isfinite(score) else failure_score
 
 
-_pools: dict[tuple[int, str], WorkerPool] = {}
+_pools: dict[tuple[int, str, bool], WorkerPool] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(num_workers: int, mp_context: str) -> WorkerPool:
+def _pool(num_workers: int, mp_context: str, import_main: bool) -> WorkerPool:
     with _pools_lock:
-        key = (num_workers, mp_context)
+        key = (num_workers, mp_context, import_main)
         if key not in _pools:
-            _pools[key] = WorkerPool(num_workers, mp_context=mp_context, preload=_WORKER_PRELOAD)
+            _pools[key] = WorkerPool(num_workers, mp_context=mp_context, preload=_WORKER_PRELOAD,
+                                     import_main=import_main)
         return _pools[key]
 
 
@@ -164,5 +180,6 @@ def score_batch(
                 log.warning("reward raised on item %d (data_source %r): %s", i, args[0], e)
                 scores.append(failure_score)
         return scores
-    raw = _pool(num_workers, mp_context).map(fn, items, timeout_s, failure_value=failure_score)
+    in_main = getattr(fn, "__module__", None) == "__main__"  # its workers must import __main__
+    raw = _pool(num_workers, mp_context, in_main).map(fn, items, timeout_s, failure_value=failure_score)
     return [_as_score(v, failure_score) for v in raw]

@@ -8,7 +8,11 @@ call then yields `failure_value` and a fresh worker replaces the killed one.
 Workers are started with the 'spawn' (default) or 'forkserver' method, never 'fork':
 forking a parent that has started JAX's threads can deadlock the child. A spawned
 worker starts a new interpreter and imports only what its job needs (its function's
-module and `preload`), so JAX is not initialised there.
+module and `preload`), so JAX is not initialised there. Unlike multiprocessing's
+default, it does not re-import the parent's main module: a script without an
+`if __name__ == "__main__":` guard, or code read from stdin, would run again there (or
+not be found) and kill the worker. A pool whose functions live in `__main__` asks for
+that import with `import_main=True`, and then the usual guard is needed.
 
     pool = WorkerPool(num_workers=4)
     scores = pool.map(fn, [(a, b), (c, d)], timeout_s=10.0, failure_value=0.0)
@@ -27,8 +31,10 @@ import multiprocessing as mp
 import multiprocessing.connection
 import pickle
 import signal
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,15 +90,44 @@ def _worker_main(conn: mp.connection.Connection, preload: Sequence[str]) -> None
             conn.send((kind, False, f"result could not be sent back: {type(e).__name__}: {e}"))
 
 
+_start_lock = threading.Lock()
+
+
+def _start_without_main(proc: mp.Process) -> None:
+    """Start ``proc`` so that it does not import the parent's ``__main__``: multiprocessing
+    reads the main module's name or file while starting a 'spawn'/'forkserver' child, so a
+    blank stand-in is shown to it for that moment."""
+    with _start_lock:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            proc.start()
+        finally:
+            sys.modules["__main__"] = main
+
+
+def main_is_importable() -> bool:
+    """Whether a child process can import this process's ``__main__`` (a script or ``-m``
+    module; not stdin, ``-c`` or an interactive session)."""
+    main = sys.modules["__main__"]
+    if getattr(main.__spec__, "name", None):
+        return True
+    path = getattr(main, "__file__", None)
+    return bool(path) and not path.startswith("<")
+
+
 class _Worker:
     """One process and its state: 'starting' -> 'idle' <-> 'loading' | 'busy'."""
 
-    def __init__(self, ctx, preload: Sequence[str], start_timeout_s: float):
+    def __init__(self, ctx, preload: Sequence[str], start_timeout_s: float, import_main: bool):
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=_worker_main, args=(child, tuple(preload)), daemon=True, name="arlopti-worker"
         )
-        self.proc.start()
+        if import_main:
+            self.proc.start()
+        else:
+            _start_without_main(self.proc)
         child.close()
         self.state = "starting"
         self.deadline = time.monotonic() + start_timeout_s
@@ -121,6 +156,7 @@ class WorkerPool:
         mp_context: str = "spawn",
         preload: Sequence[str] = (),
         start_timeout_s: float = 120.0,
+        import_main: bool = False,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -130,6 +166,13 @@ class WorkerPool:
         self._num_workers = num_workers
         self._preload = tuple(preload)
         self._start_timeout_s = start_timeout_s  # also bounds loading a function's module
+        self._import_main = import_main
+        if import_main and not main_is_importable():
+            raise ValueError(
+                "WorkerPool(import_main=True): this process's __main__ is stdin, -c or an "
+                "interactive session, which a worker process cannot import; define the "
+                "function in a module file, or call it in this process"
+            )
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self.killed = 0  # workers killed for overrunning, over the pool's life
@@ -155,6 +198,12 @@ class WorkerPool:
             ) from e
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if getattr(fn, "__module__", None) == "__main__" and not self._import_main:
+            raise ValueError(
+                f"{fn!r} is defined in __main__, which this pool's workers do not import; "
+                "move it to a module, or use WorkerPool(import_main=True) (the script then "
+                "needs an `if __name__ == '__main__':` guard)"
+            )
         with self._lock:
             try:
                 return self._map(fn, fn_key, list(arg_tuples), timeout_s, failure_value)
@@ -236,14 +285,21 @@ class WorkerPool:
         if not ok:
             state = w.state
             self._replace(w)
-            raise RuntimeError(f"worker process failed while {state}: {value}")
+            hint = ""
+            if state == "starting" and self._import_main:
+                hint = (
+                    "; its start re-imports the main module, which fails when the script's "
+                    "top-level code is not under `if __name__ == '__main__':`: add that guard, "
+                    "or move the function to a module"
+                )
+            raise RuntimeError(f"worker process failed while {state}: {value}{hint}")
         if w.state == "loading":
             w.fn_key = w.loading_key
         w.state = "idle"
         return 0
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self._preload, self._start_timeout_s)
+        return _Worker(self._ctx, self._preload, self._start_timeout_s, self._import_main)
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
