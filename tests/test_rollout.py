@@ -192,12 +192,13 @@ def test_sharded_generation_equals_unsharded(folder, policy, layout):
     # the KV cache: batch over data x fsdp, kv heads over tensor
     batch = sampler.pad_prompts(PROMPTS, sampling)
     state = sampler.start(params, batch, 2, jax.random.key(8), sampling)
-    k = state.cache["k"]
+    assert len(state.cache) == cfg.num_layers
+    k = state.cache[1]["k"]
     assert k.sharding.is_equivalent_to(sampler.cache_sharding, k.ndim)
-    assert sampler.cache_sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
-    layers, rows, slots, heads, dim = k.shape
-    assert k.addressable_shards[0].data.shape == (layers, rows // shd.batch_divisor(mesh), slots,
-                                                  heads // mesh.shape["tensor"], dim)
+    assert sampler.cache_sharding.spec == P(("data", "fsdp"), "tensor", None, None)
+    rows, heads, slots, dim = k.shape
+    assert k.addressable_shards[0].data.shape == (rows // shd.batch_divisor(mesh), heads // mesh.shape["tensor"],
+                                                  slots, dim)
     assert state.tokens.addressable_shards[0].data.shape[0] == rows // shd.batch_divisor(mesh)
 
     # the sampler reads the trainer's params in their own shardings (no gather, no copy)
