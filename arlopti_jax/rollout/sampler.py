@@ -240,27 +240,37 @@ def _decode(cfg: ModelConfig, params, state: DecodeState, key: Array, temperatur
     return state, jnp.stack([state.step, _busiest(state.finished, devices)])
 
 
-def _scatter(out: dict, state: DecodeState) -> dict:
-    """Write the state's rows into the [N, R] outputs at their global indices (filler rows,
-    whose index is out of range, are dropped)."""
-    return {name: _rows(out[name].at[state.rows].set(getattr(state, name), mode="drop")) for name in OUTPUTS}
+def _scatter(out: dict, state: DecodeState, devices: int) -> dict:
+    """Write the state's rows into the [N, R] outputs at their global indices. A row never
+    leaves its device (``_resize``), so each device writes into its own block of rows (filler
+    rows, whose index is out of range, are dropped)."""
+    per_out, per = out["tokens"].shape[0] // devices, state.rows.shape[0] // devices
+    local = state.rows.reshape(devices, per) - per_out * jnp.arange(devices, dtype=jnp.int32)[:, None]
+    local = jnp.where((local >= 0) & (local < per_out), local, per_out)
+
+    def put(buf: Array, new: Array) -> Array:
+        split = buf.reshape((devices, per_out) + buf.shape[1:])
+        rows = new.reshape((devices, per) + new.shape[1:])
+        done = jax.vmap(lambda b, i, x: b.at[i].set(x, mode="drop"))(split, local, rows)
+        return _rows(done.reshape(buf.shape))
+
+    return {name: put(out[name], getattr(state, name)) for name in OUTPUTS}
 
 
 def _resize(state: DecodeState, out: dict | None, *, rows: int, slots: int, devices: int):
     """Save every row into ``out`` (the state's own arrays when None: nothing compacted yet),
     then keep each device's unfinished rows first, ``rows`` per device (filler: finished
     rows, marked out of range), in a cache of ``slots`` slots."""
-    out = {name: _rows(getattr(state, name)) for name in OUTPUTS} if out is None else _scatter(out, state)
+    out = {name: _rows(getattr(state, name)) for name in OUTPUTS} if out is None else _scatter(out, state, devices)
     count = state.finished.shape[0]
     per = count // devices
     # a stable sort of each device's own rows, unfinished first: a gather that stays on the device
     order = jnp.argsort(state.finished.reshape(devices, per), axis=1, stable=True)[:, :rows]
 
-    def take(x: Array, axis: int = 0) -> Array:
-        split = x.reshape(x.shape[:axis] + (devices, per) + x.shape[axis + 1:])
-        index = order.reshape((1,) * axis + (devices, rows) + (1,) * (x.ndim - axis - 1))
-        picked = jnp.take_along_axis(split, index, axis=axis + 1)
-        return picked.reshape(x.shape[:axis] + (devices * rows,) + x.shape[axis + 1:])
+    def take(x: Array) -> Array:
+        split = x.reshape((devices, per) + x.shape[1:])
+        index = order.reshape((devices, rows) + (1,) * (x.ndim - 1))
+        return jnp.take_along_axis(split, index, axis=1).reshape((devices * rows,) + x.shape[1:])
 
     finished = take(state.finished)
     grow = slots - state.kv_mask.shape[1]
@@ -306,8 +316,8 @@ class Sampler:
         self._decode = jax.jit(functools.partial(_decode, model_cfg, devices=self.devices),
                                static_argnames=("kernel",), donate_argnames=("state",))
         self._resize = jax.jit(functools.partial(_resize, devices=self.devices), static_argnames=("rows", "slots"),
-                               donate_argnames=("state", "out"))
-        self._scatter = jax.jit(_scatter, donate_argnames=("out",))
+                               donate_argnames=("out",))  # the state's arrays change shape
+        self._scatter = jax.jit(functools.partial(_scatter, devices=self.devices), donate_argnames=("out",))
 
     @property
     def cache_sharding(self):
