@@ -136,10 +136,11 @@ def test_compiled_programs_stay_within_the_buckets(policy):
 
 
 def test_phase_ends_and_invalid_stop_at(policy):
-    assert SamplingConfig(max_response_len=4096, phase_tokens=512).phase_ends() == (512, 1024, 2048, 4096)
-    assert SamplingConfig(max_response_len=1000, phase_tokens=512).phase_ends() == (512, 1000)
-    assert SamplingConfig(max_response_len=100, phase_tokens=512).phase_ends() == (100,)
-    assert SamplingConfig(max_response_len=4096, length_aware=False).phase_ends() == (4096,)
+    ends = lambda r, **kw: SamplingConfig(max_response_len=r, **kw).phase_ends()
+    assert ends(4096) == (512, 1024, 2048, 4096) and ends(1000) == (128, 256, 512, 1000)  # R / 8, doubling
+    assert ends(4097) == (1024, 2048, 4097)  # no last phase that would grow the cache by one slot
+    assert ends(1000, phase_tokens=512) == (512, 1000) and ends(100, phase_tokens=512) == (100,)
+    assert ends(4096, length_aware=False) == (4096,)
     cfg, params, sampler = policy
     gen = lambda stops, **kw: sampler.generate(params, PROMPTS, N, jax.random.key(0), _config(True, **kw),
                                                stop_at=stops)
@@ -150,4 +151,4 @@ def test_phase_ends_and_invalid_stop_at(policy):
     with pytest.raises(ValueError, match="SamplingConfig.eos_ids is empty"):
         gen(STOPS, eos_ids=())
     with pytest.raises(ValueError, match="SamplingConfig.phase_tokens"):
-        SamplingConfig(max_response_len=4, phase_tokens=0)
+        SamplingConfig(max_response_len=4, phase_tokens=-1)

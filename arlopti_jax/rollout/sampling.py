@@ -43,7 +43,8 @@ class SamplingConfig:
                       slots and every row to the end, the reference it is tested against
                       (same tokens and log-probs).
     phase_tokens      response slots of the first phase (length_aware); each next phase
-                      doubles them, up to max_response_len.
+                      doubles them, up to max_response_len. 0: max_response_len / 8, rounded
+                      up to a power of two (four phases).
     min_rows          rows per device below which the batch is not compacted further
                       (length_aware): on accelerators a decode step over fewer rows costs
                       about the same, and every row count is one more compiled program.
@@ -59,7 +60,7 @@ class SamplingConfig:
     prompt_bucket: int = 64
     batch_bucket: int = 8
     length_aware: bool = True
-    phase_tokens: int = 512
+    phase_tokens: int = 0
     min_rows: int = 8
 
     def __post_init__(self):
@@ -72,7 +73,7 @@ class SamplingConfig:
             "pad_id": self.pad_id >= 0,
             "prompt_bucket": self.prompt_bucket >= 1,
             "batch_bucket": self.batch_bucket >= 1,
-            "phase_tokens": self.phase_tokens >= 1,
+            "phase_tokens": self.phase_tokens >= 0,
             "min_rows": self.min_rows >= 1,
         }
         for name, ok in checks.items():
@@ -87,13 +88,16 @@ class SamplingConfig:
         return (self.top_k, self.top_p < 1.0, self.greedy, self.pad_id)
 
     def phase_ends(self) -> tuple[int, ...]:
-        """Response slots of each decode phase's cache: phase_tokens, doubling, then
-        max_response_len (one phase, all R slots, when not length_aware)."""
-        ends, end = [], self.phase_tokens if self.length_aware else self.max_response_len
-        while end < self.max_response_len:
+        """Response slots of each decode phase's cache: phase_tokens, doubling while the
+        cache would still grow by half or more, then max_response_len (one phase, all R
+        slots, when not length_aware)."""
+        r = self.max_response_len
+        end = (self.phase_tokens or 1 << max(0, (r - 1) // 8).bit_length()) if self.length_aware else r
+        ends = []
+        while 2 * (r - end) >= end:
             ends.append(end)
             end *= 2
-        return tuple(ends) + (self.max_response_len,)
+        return tuple(ends) + (r,)
 
 
 def bucket(n: int, step: int) -> int:
