@@ -1,14 +1,22 @@
 """Length-aware decoding (phases with a growing KV cache, finished rows compacted away on each
-device) gives the dense sampler's tokens and log-probs, greedy and sampled, on one device and
-on 8-device meshes; forced EOS lengths (``stop_at``) give rollouts that look like real ones."""
+device) gives the dense sampler's tokens and log-probs, greedy and sampled, on one device, on
+8-device meshes and on 2 processes; forced EOS lengths (``stop_at``) give rollouts that look like
+real ones."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import length_aware_fixtures as fx
 from arlopti_jax import sharding as shd
-from arlopti_jax.models import load_pretrained
+from arlopti_jax.models import init_params, load_pretrained
 from arlopti_jax.models import token_logprobs as _token_logprobs
 from arlopti_jax.rollout import Sampler, SamplingConfig
 from hf_fixtures import write_hf_model
@@ -18,6 +26,7 @@ N, R, EOS = 4, 16, (2,)
 # forced response lengths of the 16 rows: early, mid-phase, at phase ends (4, 8), at R, and never
 STOPS = np.array([3, 1, 99, 6, 2, 8, 4, 99, 5, 12, 2, 16, 7, 3, 10, 1])
 PHASES = dict(phase_tokens=4, min_rows=1)  # phases of 4, 8, 16 response slots; compact down to 1 row
+REPO = Path(__file__).resolve().parents[1]
 token_logprobs = jax.jit(_token_logprobs, static_argnums=0, static_argnames="temperature")
 
 
@@ -152,3 +161,32 @@ def test_phase_ends_and_invalid_stop_at(policy):
         gen(STOPS, eos_ids=())
     with pytest.raises(ValueError, match="SamplingConfig.phase_tokens"):
         SamplingConfig(max_response_len=4, phase_tokens=-1)
+
+
+def test_two_processes_equal_one(tmp_path):
+    """2 processes x 4 devices (launch/local.sh): each samples its share of the prompts; the
+    length-aware and dense samplers agree there, and the rows equal one process's 8 devices."""
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_sampler",
+           "--logs", str(tmp_path / "logs"), "--", f"--out={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    logs = {p.name: p.read_text() for p in sorted((tmp_path / "logs").glob("*.log"))}
+    assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
+    parts = [np.load(tmp_path / f"process_{i}.npz") for i in (0, 1)]
+
+    mesh = shd.make_mesh({"fsdp": 8})
+    params = init_params(fx.MODEL, jax.random.key(0), mesh)
+    want = Sampler(fx.MODEL, mesh).generate(params, fx.prompts(), fx.N, jax.random.key(5), fx.sampling(False),
+                                            stop_at=fx.stops())
+    assert [int(p["start"]) for p in parts] == [0, 4]
+    np.testing.assert_array_equal(np.concatenate([p["response_ids"] for p in parts]), want.response_ids)
+    np.testing.assert_array_equal(np.concatenate([p["lengths"] for p in parts]), want.lengths)
+    np.testing.assert_allclose(np.concatenate([p["logprobs"] for p in parts]), want.logprobs, atol=1e-5)
