@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_response_length = 4096
     c.rollout.prompt_bucket = 64  # prompts are padded to a multiple of this (compile once per bucket)
     c.rollout.recompute_old_logprobs = False  # pi_old from a teacher-forced pass instead of the sampler's
+    c.rollout.length_aware = True  # decode cost follows the real response lengths (same tokens as the dense path)
+    c.rollout.phase_tokens = 0  # response slots of the first decode phase; 0 = max_response_length / 8 (power of 2)
+    c.rollout.min_rows = 8  # rows per device below which finished rows are no longer compacted away
 
     c.algo = ml_collections.ConfigDict()
     c.algo.adv_estimator = "grpo"
@@ -162,6 +165,13 @@ FIELD_DOCS = {
     "rollout.max_response_length": "response tokens, EOS included",
     "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this)",
     "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler",
+    "rollout.length_aware": "decode cost follows the responses' real lengths: the KV cache grows in phases and "
+                            "finished rows are dropped from the batch; False = every step over all slots and rows "
+                            "(the same tokens and log-probs)",
+    "rollout.phase_tokens": "response slots of the first decode phase, doubling each phase up to "
+                            "max_response_length; 0 = max_response_length / 8 rounded up to a power of two",
+    "rollout.min_rows": "rows per device below which the decode batch is not compacted further (each row count "
+                        "is one more compiled program)",
     "algo.adv_estimator": "`grpo`, `reinforce_plus_plus`, `rloo`, `dr_grpo`",
     "algo.weighting": "token weights: `none`, `ar` (Advantage Reweighting), `tr` (TR-GRPO)",
     "algo.ar_alpha": "AR alpha (paper: 0.2 alone, 0.3 with Lopti)",
@@ -307,6 +317,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _check(0 <= a.overlong_buffer < c.rollout.max_response_length, "algo.overlong_buffer", a.overlong_buffer,
            f"must be in [0, rollout.max_response_length = {c.rollout.max_response_length}) (0 = off)")
     _check(a.overlong_penalty >= 0, "algo.overlong_penalty", a.overlong_penalty, "must be >= 0")
+    _check(c.rollout.phase_tokens >= 0, "rollout.phase_tokens", c.rollout.phase_tokens, "must be >= 0 (0 = auto)")
+    _check(c.rollout.min_rows >= 1, "rollout.min_rows", c.rollout.min_rows, "must be >= 1")
     _check(c.reward.workers >= 0, "reward.workers", c.reward.workers, "must be >= 0")
     _check(c.reward.timeout_s > 0, "reward.timeout_s", c.reward.timeout_s, "must be > 0")
     _check(not c.reward.fn or ":" in c.reward.fn, "reward.fn", c.reward.fn, "must be 'module:function' or ''")

@@ -93,7 +93,8 @@ def sampling_config(config, policy: Policy, *, greedy: bool = False, temperature
     return SamplingConfig(max_response_len=r.max_response_length,
                           temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                           top_k=r.top_k, greedy=greedy, eos_ids=eos_ids(policy),
-                          pad_id=pad if pad is not None else eos_ids(policy)[0], prompt_bucket=r.prompt_bucket)
+                          pad_id=pad if pad is not None else eos_ids(policy)[0], prompt_bucket=r.prompt_bucket,
+                          length_aware=r.length_aware, phase_tokens=r.phase_tokens, min_rows=r.min_rows)
 
 
 def make_mesh(config):

@@ -192,12 +192,13 @@ def test_sharded_generation_equals_unsharded(folder, policy, layout):
     # the KV cache: batch over data x fsdp, kv heads over tensor
     batch = sampler.pad_prompts(PROMPTS, sampling)
     state = sampler.start(params, batch, 2, jax.random.key(8), sampling)
-    k = state.cache["k"]
+    assert len(state.cache) == cfg.num_layers
+    k = state.cache[1]["k"]
     assert k.sharding.is_equivalent_to(sampler.cache_sharding, k.ndim)
-    assert sampler.cache_sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
-    layers, rows, slots, heads, dim = k.shape
-    assert k.addressable_shards[0].data.shape == (layers, rows // shd.batch_divisor(mesh), slots,
-                                                  heads // mesh.shape["tensor"], dim)
+    assert sampler.cache_sharding.spec == P(("data", "fsdp"), "tensor", None, None)
+    rows, heads, slots, dim = k.shape
+    assert k.addressable_shards[0].data.shape == (rows // shd.batch_divisor(mesh), heads // mesh.shape["tensor"],
+                                                  slots, dim)
     assert state.tokens.addressable_shards[0].data.shape[0] == rows // shd.batch_divisor(mesh)
 
     # the sampler reads the trainer's params in their own shardings (no gather, no copy)
@@ -215,7 +216,7 @@ def test_sharded_generation_equals_unsharded(folder, policy, layout):
 def test_buckets_bound_the_compiled_shapes(policy):
     cfg, params, _ = policy
     sampler = Sampler(cfg, policy[2].mesh)
-    sampling = SamplingConfig(max_response_len=4, prompt_bucket=16, batch_bucket=4)
+    sampling = SamplingConfig(max_response_len=4, prompt_bucket=16, batch_bucket=4, length_aware=False)  # one phase
     for prompts in ([[5] * 9, [6] * 2], [[7] * 16, [8], [9, 9]], [[4] * 12] * 4):
         roll = sampler.generate(params, prompts, 2, jax.random.key(0), sampling)
         assert roll.response_ids.shape == (2 * len(prompts), 4)  # batch padding rows dropped

@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 Array = jax.Array
 
@@ -36,6 +37,17 @@ class SamplingConfig:
                       of prompt_bucket): one compiled shape per bucket, not per batch.
     batch_bucket      the number of prompts is padded likewise (then to a multiple of
                       the mesh's data x fsdp size); padding rows are dropped from the output.
+    length_aware      decode cost follows the responses' real lengths: phases whose KV cache
+                      grows (``phase_ends``), and finished rows dropped from the batch (see
+                      ``arlopti_jax.rollout.sampler``). False: one phase over all P + R cache
+                      slots and every row to the end, the reference it is tested against
+                      (same tokens and log-probs).
+    phase_tokens      response slots of the first phase (length_aware); each next phase
+                      doubles them, up to max_response_len. 0: max_response_len / 8, rounded
+                      up to a power of two (four phases).
+    min_rows          rows per device below which the batch is not compacted further
+                      (length_aware): on accelerators a decode step over fewer rows costs
+                      about the same, and every row count is one more compiled program.
     """
 
     max_response_len: int
@@ -47,6 +59,9 @@ class SamplingConfig:
     pad_id: int = 0
     prompt_bucket: int = 64
     batch_bucket: int = 8
+    length_aware: bool = True
+    phase_tokens: int = 0
+    min_rows: int = 8
 
     def __post_init__(self):
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
@@ -58,6 +73,8 @@ class SamplingConfig:
             "pad_id": self.pad_id >= 0,
             "prompt_bucket": self.prompt_bucket >= 1,
             "batch_bucket": self.batch_bucket >= 1,
+            "phase_tokens": self.phase_tokens >= 0,
+            "min_rows": self.min_rows >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -70,6 +87,18 @@ class SamplingConfig:
         """The settings that change the compiled program (the rest are traced values)."""
         return (self.top_k, self.top_p < 1.0, self.greedy, self.pad_id)
 
+    def phase_ends(self) -> tuple[int, ...]:
+        """Response slots of each decode phase's cache: phase_tokens, doubling while the
+        cache would still grow by half or more, then max_response_len (one phase, all R
+        slots, when not length_aware)."""
+        r = self.max_response_len
+        end = (self.phase_tokens or 1 << max(0, (r - 1) // 8).bit_length()) if self.length_aware else r
+        ends = []
+        while 2 * (r - end) >= end:
+            ends.append(end)
+            end *= 2
+        return tuple(ends) + (r,)
+
 
 def bucket(n: int, step: int) -> int:
     """min(next power of two >= n, next multiple of step >= n): few shapes at every scale."""
@@ -77,16 +106,44 @@ def bucket(n: int, step: int) -> int:
     return min(pow2, -(-n // step) * step)
 
 
-def sample_tokens(logits: Array, key: Array, temperature: Array, top_p: Array, *,
-                  top_k: int, use_top_p: bool, greedy: bool) -> tuple[Array, Array]:
-    """Draw one token per row from float32 ``logits`` [N, V].
+def gumbel_noise(key: Array, step, rows: Array, width: int) -> Array:
+    """Gumbel(0, 1) noise [N, width] for response position ``step`` of the rows whose global
+    indices are ``rows`` [N]: entry (r, v) hashes the counter (r, v) with threefry2x32 under
+    a key drawn from ``fold_in(key, step)``. A row's noise is a function of (key, step, its
+    global index) only, so compacting, padding or re-sharding the batch never changes a
+    sample. One hash per entry, the same work as ``jax.random.gumbel`` on the whole batch.
+    """
+    k1, k2 = jax.random.bits(jax.random.fold_in(key, step), (2,), jnp.uint32)
+    shape = (rows.shape[0], width)
+    hi = jnp.broadcast_to(rows.astype(jnp.uint32)[:, None], shape)
+    lo = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+    b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)
+    # 23 random bits -> a uniform in the open interval (0, 1), exactly representable
+    u = (((b1 ^ b2) >> 9).astype(jnp.float32) + 0.5) * (2.0 ** -23)
+    return -jnp.log(-jnp.log(u))
 
+
+def first_argmax(x: Array) -> Array:
+    """argmax over the last axis (the first maximum), int32. The same result as
+    ``jnp.argmax``; as a max then a min over indices it avoids XLA:CPU's slow
+    value-and-index reduction (3x faster on a [32, 4096] batch)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+
+
+def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Array, top_p: Array, *,
+                  top_k: int, use_top_p: bool, greedy: bool, forced: Array | None = None) -> tuple[Array, Array]:
+    """Draw one token per row from float32 ``logits`` [N, V] at response position ``step``
+    (Gumbel-max with ``gumbel_noise``: rows are the rows' global indices [N]).
+
+    ``forced`` [N] int32, when given, replaces the draw where it is >= 0 (a forced EOS).
     Returns (tokens [N] int32, log_softmax(logits / temperature)[token] [N] float32).
     ``temperature`` and ``top_p`` are traced scalars; the rest choose the program.
     """
     scaled = logits.astype(jnp.float32) / temperature
     if greedy:
-        tokens = jnp.argmax(logits, axis=-1)
+        tokens = first_argmax(logits)
     elif top_k or use_top_p:
         k = top_k if top_k else scaled.shape[-1]
         vals, idx = jax.lax.top_k(scaled, k)  # sorted, most likely first
@@ -94,11 +151,13 @@ def sample_tokens(logits: Array, key: Array, temperature: Array, top_p: Array, *
             probs = jax.nn.softmax(vals, axis=-1)
             mass_before = jnp.cumsum(probs, axis=-1) - probs
             vals = jnp.where(mass_before < top_p, vals, -jnp.inf)  # the first is always kept
-        choice = jax.random.categorical(key, vals, axis=-1)
+        choice = first_argmax(vals + gumbel_noise(key, step, rows, k))
         tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
     else:
-        tokens = jax.random.categorical(key, scaled, axis=-1)
+        tokens = first_argmax(scaled + gumbel_noise(key, step, rows, scaled.shape[-1]))
     tokens = tokens.astype(jnp.int32)
+    if forced is not None:
+        tokens = jnp.where(forced >= 0, forced, tokens)
     lse = jax.nn.logsumexp(scaled, axis=-1)
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
     return tokens, picked - lse
