@@ -227,7 +227,8 @@ FIELD_DOCS = {
     "train.samples_every": "sample completions to TensorBoard every this many steps",
     "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",
     "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
-                               "this many steps; 0 = off",
+                               "this many steps, and at the first step the isolation experiment "
+                               "(`isolation/{low,high}_q{1..4}`); 0 = off",
     "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
                  "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
     "reward.workers": "parallel scoring processes (0 = score in the trainer's process)",

@@ -15,6 +15,7 @@ def get_config():
     c.model.path = ""  # the embedded start point
     c.model.dtype = "float32"
     c.model.remat = False
+    c.model.unroll_layers = True  # 4 layers: straight-line code is faster on CPU
     c.data.max_prompt_length = 256
     c.rollout.n = 8
     c.rollout.temperature = 1.0

@@ -148,6 +148,69 @@ def plot_curves(results: dict, out: Path) -> Path:
     return out
 
 
+def mechanism(results: dict) -> dict:
+    """The paper's Figure 1 from the sweep's runs: per variant the mean gradient norm of each
+    pi_old quartile (over logged steps and seeds), and the isolation experiment (first batch of
+    each run, mean over runs of the variant): the change of each quartile's mean probability
+    after a step on only the lowest ('low') or only the highest ('high') quartile's tokens."""
+    out = {}
+    for variant in VARIANTS:
+        runs = [r for r in results["runs"].values() if r["variant"] == variant]
+        norms = [row[1:] for r in runs for row in r.get("quartile_grad_norms", [])]
+        isolation = [r["isolation"] for r in runs if r.get("isolation")]
+        if norms or isolation:
+            out[variant] = {"grad_norms": np.mean(norms, axis=0).tolist() if norms else None,
+                            "isolation": np.mean(isolation, axis=0).tolist() if isolation else None}
+    return out
+
+
+def plot_mechanism(results: dict, out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mech = mechanism(results)
+    if not mech:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    quartiles = np.arange(4)
+    shown = [v for v in VARIANTS if v in mech and mech[v]["grad_norms"]]
+    width = 0.8 / max(len(shown), 1)
+    for j, variant in enumerate(shown):
+        axes[0].bar(quartiles + j * width, mech[variant]["grad_norms"], width, label=VARIANTS[variant][0])
+    axes[0].set(title="gradient norm per pi_old quartile (mean over steps and seeds)",
+                xticks=quartiles + 0.4 - width / 2, xticklabels=["q1 (lowest)", "q2", "q3", "q4 (highest)"])
+    grpo = mech.get("grpo", {}).get("isolation") or next((m["isolation"] for m in mech.values() if m["isolation"]), None)
+    if grpo is not None:
+        for i, case in enumerate(("update q1 only", "update q4 only")):
+            axes[1].bar(quartiles + i * 0.4, grpo[i], 0.4, label=case)
+        axes[1].axhline(0, color="black", lw=0.6)
+        axes[1].set(title="isolation (GRPO, first batch): change of mean pi per quartile",
+                    xticks=quartiles + 0.2, xticklabels=["q1 (lowest)", "q2", "q3", "q4 (highest)"])
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "mechanism.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def mechanism_table(results: dict) -> str:
+    mech = mechanism(results)
+    fmt = lambda xs: " | ".join(f"{x:.3g}" for x in xs) if xs else " | ".join(["-"] * 4)
+    lines = ["| variant | measure | q1 (lowest pi_old) | q2 | q3 | q4 (highest) |", "|---|---|---|---|---|---|"]
+    for variant, m in mech.items():
+        label = VARIANTS[variant][0]
+        lines.append(f"| {label} | gradient norm | {fmt(m['grad_norms'])} |")
+        if m["isolation"]:
+            lines.append(f"| {label} | change of mean pi, update q1 only | {fmt(m['isolation'][0])} |")
+            lines.append(f"| {label} | change of mean pi, update q4 only | {fmt(m['isolation'][1])} |")
+    return "\n".join(lines)
+
+
 class Sweep:
     """Runs, records and resumes the sweep in ``out``."""
 
@@ -157,7 +220,8 @@ class Sweep:
         self.eval_prompts, self.sizes, self.diagnostics_every = eval_prompts, sizes, diagnostics_every
         self.results_path = out / "results.json"
         self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {"runs": {}}
-        self.results.update(steps=steps, variants=variants, seeds=seeds, eval_prompts=eval_prompts)
+        self.results.update(steps=steps, variants=variants, seeds=seeds, eval_prompts=eval_prompts,
+                            diagnostics_every=diagnostics_every)
 
     def save(self) -> None:
         tmp = self.results_path.with_suffix(".tmp")
@@ -210,6 +274,8 @@ class Sweep:
                 "rewards": [m["reward/mean"] for m in metrics if "reward/mean" in m],
                 "quartile_grad_norms": [[m["step"]] + [m[f"quartile/q{i}_grad_norm"] for i in range(1, 5)]
                                         for m in metrics if "quartile/q1_grad_norm" in m],
+                "isolation": next(([[m[f"isolation/{c}_q{i}"] for i in range(1, 5)] for c in ("low", "high")]
+                                   for m in metrics if "isolation/low_q1" in m), None),
             }
             self.save()
             if summary["preempted"]:
@@ -235,6 +301,14 @@ def write_report(results: dict, out: Path, command: str) -> Path:
         summary_table(results), "",
         f"![curves]({curves.name})", "",
     ]
+    figure = plot_mechanism(results, out)
+    if figure is not None:
+        lines += ["## The mechanism (the paper's Figure 1)", "",
+                  "Gradient norm of the loss restricted to each pi_old quartile's tokens (logged every "
+                  f"{results.get('diagnostics_every', '?')} steps), and the isolation experiment: from the start "
+                  "point and each run's first batch, one optimizer step on only the lowest-quartile tokens, or "
+                  "only the highest-quartile tokens, and the change of every quartile's mean probability.", "",
+                  mechanism_table(results), "", f"![mechanism]({figure.name})", ""]
     path = out / "reproduction.md"
     path.write_text("\n".join(lines))
     return path
@@ -269,7 +343,8 @@ def main(argv=None) -> int:
     results = sweep.run()
     command = "python -m arlopti_jax.reproduce " + " ".join(sys.argv[1:] if argv is None else argv)
     report = write_report(results, out, command.strip())
-    print(f"\n{summary_table(results)}\n\nwrote {report} and {out / 'curves.png'}")
+    print(f"\n{summary_table(results)}\n\n{mechanism_table(results)}\n\nwrote {report}, {out / 'curves.png'} "
+          f"and {out / 'mechanism.png'}")
     return 0
 
 

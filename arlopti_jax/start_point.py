@@ -5,9 +5,11 @@
       generated K&K puzzles (2 and 3 people; data_source kk_logic2 / kk_logic3) in the
       public data's schema, with the chat template embedded in the prompt like the public
       files, but a one-line system prompt instead of the public data's paragraph, and
-      people named by position (Alice, Bob, Carol): a model this small does not learn to
-      copy arbitrary names from the prompt in a CPU budget, so the task left to learn is
-      the knights-and-knaves logic itself;
+      people named by position (Alice, Bob, Carol) and every claim reported with the same
+      phrase: a model this small does not learn to copy arbitrary names or read 18 ways of
+      quoting a claim in a CPU budget, so the task left to learn is the knights-and-knaves
+      logic itself (400 SFT steps reach about 0.45 / 0.3 greedy accuracy on 2 / 3 people,
+      against 0.25 / 0.125 by guessing; with the public data's 18 phrasings, 0.34 / 0.11);
   folder/model/  a Hugging Face folder: a byte-level BPE tokenizer trained with
       ``tokenizers`` on generated K&K text, and a small Qwen2-architecture model trained
       from random initialisation (``arlopti_jax.sft``) to answer in the K&K format.
@@ -43,17 +45,19 @@ CHAT_TEMPLATE = (
 )
 
 # Sizes chosen so the whole default (build + RL + evaluation) runs in minutes on 2 CPU cores.
-TINY = dict(vocab_size=1024, sft_rows_per_size=1000, sft_steps=150, sft_batch=16, sft_lr=2e-3,
+TINY = dict(vocab_size=1024, sft_rows_per_size=2000, sft_steps=400, sft_batch=32, sft_lr=2e-3,
             train_rows_per_size=1000, test_rows_per_size=100)
 
 
 POSITION_NAMES = ("Alice", "Bob", "Carol")
+SPEECH_TEMPLATE = 0  # every claim reported the same way ('NAME was heard saying, "..."')
 
 
 def compact_rows(n_people: int, count: int, seed: int) -> list[dict]:
-    """Generated K&K rows (people named by position) whose prompt embeds the chat template
-    with a one-line system prompt."""
-    puzzles = [dataclasses.replace(p, names=POSITION_NAMES[:n_people]) for p in generate_puzzles(n_people, count, seed)]
+    """Generated K&K rows (people named by position, one speech phrase) whose prompt embeds
+    the chat template with a one-line system prompt."""
+    puzzles = [dataclasses.replace(p, names=POSITION_NAMES[:n_people], templates=(SPEECH_TEMPLATE,) * n_people)
+               for p in generate_puzzles(n_people, count, seed)]
     rows = [puzzle_row(p, i, data_source=f"kk_logic{n_people}") for i, p in enumerate(puzzles)]
     for row in rows:
         row["prompt"] = [{"role": "user", "content": (

@@ -153,6 +153,9 @@ def train(config) -> dict:
             with timer("diagnostics"):
                 diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes,
                                                                config.train.mini_batch)
+                if step == 0:  # and once, the isolation experiment on the first batch
+                    diagnostics.update(isolation_metrics(train_step, logprobs_fn, optimizer, model_cfg, mesh, params,
+                                                         batch, passes))
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
         mark = len(train_step.padding)
         with timer("update"):
@@ -203,6 +206,17 @@ def train(config) -> dict:
         export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
     return summarize(config, history, started, export_dir, preempted=not finished,
                      chance=chance_levels(test_sets))
+
+
+def isolation_metrics(train_step, logprobs_fn, optimizer, model_cfg, mesh, params, batch, passes) -> dict:
+    """``isolation/{low,high}_q{1..4}``: the change of each pi_old quartile's mean probability
+    after one optimizer step (fresh optimizer state) on only the lowest (low) or only the
+    highest (high) quartile's tokens of ``batch``, with the step's full weighted advantages."""
+    full = {**batch, "advantages": sum(dist.to_host(a) for a, _ in passes)}
+    change = algos.isolation_experiment(train_step, logprobs_fn,
+                                        lambda p: algos.init_opt_state(optimizer, model_cfg, p, mesh), params, full)
+    return {f"isolation/{case}_q{q + 1}": float(change[i, q]) for i, case in enumerate(("low", "high"))
+            for q in range(4)}
 
 
 def chance_levels(test_sets: dict) -> dict[str, float | None]:

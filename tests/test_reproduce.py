@@ -48,8 +48,12 @@ def test_quick_sweep_writes_the_table_and_figures(sweep):
         for cell in cells:
             mean, std = (float(x) for x in re.fullmatch(r"([0-9.]+) ± ([0-9.]+)", cell).groups())
             assert 0.0 <= mean <= 1.0 and std == 0.0  # one seed
-    width, height = png_size(out / "curves.png")
-    assert width > 600 and height > 300
+    for figure in ("curves.png", "mechanism.png"):
+        width, height = png_size(out / figure)
+        assert width > 600 and height > 300
+    assert "![mechanism](mechanism.png)" in report
+    mech = [line for line in report.splitlines() if line.startswith("| GRPO |")]
+    assert len(mech) == 3 and all(len(line.strip("|").split("|")) == 6 for line in mech)  # norms, 2 isolation rows
     assert "![curves](curves.png)" in report and "Command: `python -m arlopti_jax.reproduce --quick" in report
     results = json.loads((out / "results.json").read_text())
     assert len(results["runs"]) == len(VARIANTS) and all(r["finished"] for r in results["runs"].values())

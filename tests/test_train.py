@@ -111,6 +111,9 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
         assert 1 <= m["dynamic/rounds"] <= 3 and 0 <= m["dynamic/dropped_share"] <= 1
         assert all(m[f"quartile/q{q}_grad_norm"] > 0 for q in range(1, 5))
     assert any(want[s]["dynamic/rounds"] > 1 for s in (1, 2, 3, 4))  # even-index prompts' groups were dropped
+    isolation = [f"isolation/{c}_q{q}" for c in ("low", "high") for q in range(1, 5)]
+    assert all(np.isfinite(want[1][k]) for k in isolation)  # the isolation experiment: once, at the first step
+    assert not any(k in want[s] for s in (2, 3, 4) for k in isolation)
     evals = [json.loads(line) for line in (tmp_path / "a" / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals] == [0, 4] and all(r["eval_temperature"] == 0.9 for r in evals)
     for r in evals:  # unbiased pass@1 and mean@eval_n are both the sampled accuracy
