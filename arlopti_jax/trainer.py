@@ -154,8 +154,8 @@ def train(config) -> dict:
                 diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes,
                                                                config.train.mini_batch)
                 if step == 0:  # and once, the isolation experiment on the first batch
-                    diagnostics.update(isolation_metrics(train_step, logprobs_fn, optimizer, model_cfg, mesh, params,
-                                                         batch, passes))
+                    diagnostics.update(isolation_metrics(config, model_cfg, loss_cfg, mesh, tokens, logprobs_fn,
+                                                         params, batch, passes))
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
         mark = len(train_step.padding)
         with timer("update"):
@@ -208,13 +208,19 @@ def train(config) -> dict:
                      chance=chance_levels(test_sets))
 
 
-def isolation_metrics(train_step, logprobs_fn, optimizer, model_cfg, mesh, params, batch, passes) -> dict:
+def isolation_metrics(config, model_cfg, loss_cfg, mesh, tokens: int, logprobs_fn, params, batch, passes) -> dict:
     """``isolation/{low,high}_q{1..4}``: the change of each pi_old quartile's mean probability
-    after one optimizer step (fresh optimizer state) on only the lowest (low) or only the
-    highest (high) quartile's tokens of ``batch``, with the step's full weighted advantages."""
+    after one optimizer step (fresh AdamW state at the configured peak learning rate: a
+    schedule's first step may be 0) on only the lowest (low) or only the highest (high)
+    quartile's tokens of ``batch``, with the step's full weighted advantages."""
+    o = config.optim
+    optimizer = algos.make_optimizer(algos.OptimConfig(lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
+                                                       eps=o.eps, grad_clip=o.grad_clip, schedule="constant"))
+    step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens,
+                                 chunk_size=config.model.logprob_chunk)
     full = {**batch, "advantages": sum(dist.to_host(a) for a, _ in passes)}
-    change = algos.isolation_experiment(train_step, logprobs_fn,
-                                        lambda p: algos.init_opt_state(optimizer, model_cfg, p, mesh), params, full)
+    change = algos.isolation_experiment(step, logprobs_fn, lambda p: algos.init_opt_state(optimizer, model_cfg, p, mesh),
+                                        params, full)
     return {f"isolation/{case}_q{q + 1}": float(change[i, q]) for i, case in enumerate(("low", "high"))
             for q in range(4)}
 

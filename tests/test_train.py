@@ -113,6 +113,7 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
     assert any(want[s]["dynamic/rounds"] > 1 for s in (1, 2, 3, 4))  # even-index prompts' groups were dropped
     isolation = [f"isolation/{c}_q{q}" for c in ("low", "high") for q in range(1, 5)]
     assert all(np.isfinite(want[1][k]) for k in isolation)  # the isolation experiment: once, at the first step
+    assert want[1]["isolation/low_q1"] != 0 and want[1]["isolation/high_q4"] != 0  # a real step, even at lr 0
     assert not any(k in want[s] for s in (2, 3, 4) for k in isolation)
     evals = [json.loads(line) for line in (tmp_path / "a" / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals] == [0, 4] and all(r["eval_temperature"] == 0.9 for r in evals)
