@@ -43,7 +43,7 @@ VARIANTS = {  # name: (label, weighting, ar alpha, lopti eta)
     "grpo_ar_lopti": ("GRPO + AR + Lopti", "ar", 0.3, 0.5),
     "tr_grpo": ("TR-GRPO", "tr", 0.0, 0.0),
 }
-QUICK = dict(steps=2, seeds="0", eval_prompts=8, sizes=dict(sft_rows_per_size=64, sft_steps=8,
+QUICK = dict(steps=1, seeds="0", eval_prompts=8, sizes=dict(sft_rows_per_size=64, sft_steps=8,
                                                              train_rows_per_size=64, test_rows_per_size=8))
 
 
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--diagnostics-every", type=int, default=5,
                     help="log the gradient norm per pi_old quartile every this many steps (0 = off)")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke test: a tiny start point, 1 seed, 2 steps per variant, 8 test prompts")
+                    help="a smoke test: a tiny start point, 1 seed, 1 step per variant, 8 test prompts")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
