@@ -32,8 +32,8 @@ def get_config():
     c.train.batch_prompts = 8
     c.train.mini_batch = 32
     c.train.micro_batch = 32
-    c.train.max_steps = 40
-    c.train.eval_every = 20
+    c.train.max_steps = 30
+    c.train.eval_every = 15
     c.train.save_every = 10
     c.train.eval_n = 1
     c.train.samples_every = 5

@@ -8,15 +8,21 @@
       people named by position (Alice, Bob, Carol) and every claim reported with the same
       phrase: a model this small does not learn to copy arbitrary names or read 18 ways of
       quoting a claim in a CPU budget, so the task left to learn is the knights-and-knaves
-      logic itself (400 SFT steps reach about 0.45 / 0.3 greedy accuracy on 2 / 3 people,
+      logic itself (600 SFT steps reach about 0.5 / 0.3 greedy accuracy on 2 / 3 people,
       against 0.25 / 0.125 by guessing; with the public data's 18 phrasings, 0.34 / 0.11);
   folder/model/  a Hugging Face folder: a byte-level BPE tokenizer trained with
       ``tokenizers`` on generated K&K text, and a small Qwen2-architecture model trained
-      from random initialisation (``arlopti_jax.sft``) to answer in the K&K format.
+      from random initialisation (``arlopti_jax.sft``) on right answers.
 To fit a CPU budget of minutes, responses are short: the prompt opens ``<think>``, and
-the SFT target closes it at once and gives the answer block. The warm start teaches the
-format and leaves accuracy for RL to raise. The folder is built under a temporary name and
-renamed when complete, so an interrupted build is never reused.
+the SFT target closes it at once and gives the answer. Every SFT answer is right, but only
+``sft_tagged_share`` (30%) of them are written in the ``<answer>`` block the reward reads;
+the rest state the same assignment as a sentence (the public rows' ``solution_text``), as an
+instruction-tuned model that knows some of the logic but not the required format would.
+The start point's greedy answers are therefore all sentences (score -3, never correct),
+while about 30% of its samples use the block: RL has a strong signal to learn the format
+(the Logic-RL reward's first lesson), and the greedy accuracy it then reaches is what the
+warm start learnt of the logic. The folder is built under a temporary name and renamed when
+complete, so an interrupted build is never reused.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from arlopti_jax import sharding as shd
 from arlopti_jax.models import ModelConfig, init_params, save_pretrained
@@ -45,8 +52,8 @@ CHAT_TEMPLATE = (
 )
 
 # Sizes chosen so the whole default (build + RL + evaluation) runs in minutes on 2 CPU cores.
-TINY = dict(vocab_size=1024, sft_rows_per_size=2000, sft_steps=400, sft_batch=32, sft_lr=2e-3,
-            train_rows_per_size=1000, test_rows_per_size=100)
+TINY = dict(vocab_size=1024, sft_rows_per_size=2000, sft_steps=600, sft_batch=32, sft_lr=2e-3,
+            sft_tagged_share=0.3, train_rows_per_size=1000, test_rows_per_size=100)
 
 
 POSITION_NAMES = ("Alice", "Bob", "Carol")
@@ -66,8 +73,12 @@ def compact_rows(n_people: int, count: int, seed: int) -> list[dict]:
     return rows
 
 
-def sft_target(row: dict) -> str:
-    return f"</think>\n<answer>{row['solution_text_format']}</answer>"
+def sft_target(row: dict, tagged: bool = True) -> str:
+    """The warm start's target: the right answer in the ``<answer>`` block the reward reads
+    (tagged), or the same assignment as a sentence, which the reward scores as a format failure."""
+    if tagged:
+        return f"</think>\n<answer>{row['solution_text_format']}</answer>"
+    return f"</think>\n{row['solution_text']}"
 
 
 def tiny_model_config(vocab_size: int) -> ModelConfig:
@@ -116,7 +127,8 @@ def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = N
     fresh = lambda rows: [r for r in rows if r["quiz"] not in held_out]
     train = fresh(compact_rows(2, s["train_rows_per_size"], seed + 1) + compact_rows(3, s["train_rows_per_size"], seed + 2))
     write_parquet(train, tmp / "data" / "train.parquet")
-    sft_rows = [{"prompt": r["prompt"], "response": sft_target(r)}
+    tagged = np.random.default_rng(seed + 30)
+    sft_rows = [{"prompt": r["prompt"], "response": sft_target(r, tagged.random() < s["sft_tagged_share"])}
                 for n in (2, 3) for r in fresh(compact_rows(n, s["sft_rows_per_size"], seed + 20 + n))]
     texts = [r["prompt"][0]["content"] + r["response"] for r in sft_rows]
     tokenizer = train_tokenizer(texts, s["vocab_size"])

@@ -4,7 +4,7 @@ over a preallocated KV cache, sharded over the trainer's mesh with the trainer's
 Per call, on device:
 
 1. ``prefill``: each distinct prompt runs ONCE through the decoder, filling a prompt-sized
-   cache [L, B, K, P, H] and giving the next-token logits of its last position.
+   cache (per layer [B, K, P, H]) and giving the next-token logits of its last position.
 2. ``start``: that cache is repeated along the batch to the n samples of each prompt and
    padded to the first phase's P + e_1 slots; every sample draws its first response token
    independently from the shared prefill logits.
