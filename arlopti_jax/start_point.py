@@ -8,8 +8,8 @@
       people named by position (Alice, Bob, Carol) and every claim reported with the same
       phrase: a model this small does not learn to copy arbitrary names or read 18 ways of
       quoting a claim in a CPU budget, so the task left to learn is the knights-and-knaves
-      logic itself (600 SFT steps reach about 0.5 / 0.3 greedy accuracy on 2 / 3 people,
-      against 0.25 / 0.125 by guessing; with the public data's 18 phrasings, 0.34 / 0.11);
+      logic itself (after 600 SFT steps its answers, forced into the answer block, are right
+      for about 0.47 / 0.25 of 2 / 3-person puzzles, against 0.25 / 0.125 by guessing);
   folder/model/  a Hugging Face folder: a byte-level BPE tokenizer trained with
       ``tokenizers`` on generated K&K text, and a small Qwen2-architecture model trained
       from random initialisation (``arlopti_jax.sft``) on right answers.
@@ -127,8 +127,8 @@ def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = N
     fresh = lambda rows: [r for r in rows if r["quiz"] not in held_out]
     train = fresh(compact_rows(2, s["train_rows_per_size"], seed + 1) + compact_rows(3, s["train_rows_per_size"], seed + 2))
     write_parquet(train, tmp / "data" / "train.parquet")
-    tagged = np.random.default_rng(seed + 30)
-    sft_rows = [{"prompt": r["prompt"], "response": sft_target(r, tagged.random() < s["sft_tagged_share"])}
+    coin = np.random.default_rng(seed + 30)  # which SFT answers go in the block
+    sft_rows = [{"prompt": r["prompt"], "response": sft_target(r, coin.random() < s["sft_tagged_share"])}
                 for n in (2, 3) for r in fresh(compact_rows(n, s["sft_rows_per_size"], seed + 20 + n))]
     texts = [r["prompt"][0]["content"] + r["response"] for r in sft_rows]
     tokenizer = train_tokenizer(texts, s["vocab_size"])
