@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 # Enough SFT for the warm start to write both answer forms (30% in the <answer> block) and to
 # know a little of the logic; the reduced RL run then has to learn the block from the reward.
 SCRIPT = """
@@ -30,6 +32,7 @@ print("SUMMARY " + json.dumps({"rewards": s["rewards"], "before": s["before"], "
 """
 
 
+@pytest.mark.slow
 def test_reduced_default_learns(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, capture_output=True,
