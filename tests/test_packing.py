@@ -64,8 +64,8 @@ def test_plan_covers_every_token_and_target_once():
         assert mb.row_length in packing.row_lengths(256) and mb.token_src.shape[0] % 2 == 0
         longest = max(lengths[np.unique(mb.token_src[mb.token_src >= 0] // 120)])
         assert longest <= mb.row_length
-        if j < len(plan) - 1:  # full micro-batches; the last one smaller
-            assert mb.token_src.size == 2 * 256
+        if j < len(plan) - 1:  # full micro-batches: 256 // S rows per device; the last one smaller
+            assert mb.token_src.shape[0] == 2 * (256 // mb.row_length)
         else:
             assert mb.token_src.size <= 2 * 256
         arrays = packing.gather(mb, {"input_ids": batch["input_ids"]}, {"target_ids": batch["input_ids"]})
@@ -82,8 +82,8 @@ def test_plan_covers_every_token_and_target_once():
 
 
 def test_row_length_weighs_padding_against_attention():
-    # 40 sequences of 150-170 tokens, a budget of 1024 per device: rows of 256 hold one sequence
-    # each (about 37% padding), rows of 512 hold three (about 8%)
+    # 40 sequences of 150-170 tokens, a budget of 1024 per device: rows of 192 (the shortest that
+    # holds one) hold one sequence each (about 17% padding), rows of 320 two, of 512 three
     rng = np.random.default_rng(0)
     lengths = rng.integers(150, 171, 40)
     attn = np.zeros((40, 200), np.int32)
@@ -94,18 +94,23 @@ def test_row_length_weighs_padding_against_attention():
     plan = lambda cost: packing.plan_micro_batches(attn, resp, np.arange(40), tokens_per_device=1024,
                                                    num_devices=1, attention_cost=cost)
     free = plan(0.0)  # attention free: the row length that wastes least
-    assert free[0].row_length == 512 and packing.padding_fraction(free) < 0.15
+    assert free[0].row_length >= 320 and packing.padding_fraction(free) < 0.05
     dear = plan(1.0)  # attention dearer than everything else: one sequence per shortest row
-    assert {mb.row_length for mb in dear} == {256}
+    assert {mb.row_length for mb in dear} == {192} and packing.padding_fraction(dear) > 0.15
     for p in (free, dear):
         assert sorted(np.concatenate([mb.token_src[mb.token_src >= 0] for mb in p])) == \
             sorted(np.flatnonzero(attn.reshape(-1)))
 
 
 def test_row_length_ladder():
-    assert packing.row_lengths(4608) == (64, 128, 192, 256, 384, 576, 768, 1152, 1536, 2304, 4608)
-    assert packing.row_lengths(1536) == (64, 128, 192, 256, 384, 512, 768, 1536)
-    assert packing.row_lengths(100) == (100,)
+    assert packing.row_lengths(4608) == (64, 128, 192, 256, 320, 384, 512, 640, 768, 960, 1152, 1408, 1728, 2112,
+                                         2560, 3072, 3712, 4608)
+    assert packing.row_lengths(1536) == (64, 128, 192, 256, 320, 384, 512, 640, 768, 960, 1152, 1536)
+    assert packing.row_lengths(100) == (64, 100)
+    for budget in (100, 1536, 4608, 9728):  # each step >= 1.2x, the budget last, nothing within 1.2x of it
+        ladder = packing.row_lengths(budget)
+        assert ladder[-1] == budget and all(b >= 1.2 * a for a, b in zip(ladder, ladder[1:-1]))
+        assert all(d * 1.2 <= budget for d in ladder[:-1])
 
 
 def test_plan_errors_name_the_row():
