@@ -77,8 +77,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in values.items() if v is not None and np.isfinite(float(v))}
-        for key, value in clean.items():
-            self._tb.add_scalar(key, value, step)
+        for key, value in clean.items():  # TensorBoard tags take no '@' (tensorboardX would rename and log it)
+            self._tb.add_scalar(key.replace("@", "_"), value, step)
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
 

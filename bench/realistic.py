@@ -136,6 +136,7 @@ def run_worker(args) -> dict:
     times = {p: [] for p in PHASES}
     stats = {}
     warm_compiles = 0
+    pads, rollout_pads = [], []  # per timed step: the update's and the decode loops' padding
     for step in range(args.steps + 1):
         key = jax.random.fold_in(jax.random.key(0), step)
         t = {}
@@ -150,7 +151,18 @@ def run_worker(args) -> dict:
             batch["response_mask"][:, p:] *= keep
             batch["attention_mask"][:, p:] *= keep.astype(batch["attention_mask"].dtype)
             batch["old_logprobs"][:, p:] *= keep
-        assert np.array_equal(batch["response_mask"].sum(1), lengths), "the rollout's lengths are not the workload's"
+        got = batch["response_mask"].sum(1)
+        # a random policy also samples the EOS id by chance (about 1 token in 4096): such a row ends
+        # before its forced length (a few may, none may run longer); the passes below then get the
+        # workload's masks, as the dense path does, so every step processes the same lengths
+        early = int((got < lengths).sum())
+        assert (got <= lengths).all() and early <= max(2, len(lengths) // 10), \
+            f"the rollout's lengths are not the workload's ({early} rows ended early)"
+        if early:
+            p = batch["input_ids"].shape[1] - args.gen_len
+            keep = (np.arange(args.gen_len)[None] < lengths[:, None]).astype(batch["response_mask"].dtype)
+            batch["response_mask"][:, p:] = keep
+            batch["attention_mask"][:, p:] = keep.astype(batch["attention_mask"].dtype)
         start = time.perf_counter()
         batch["ref_logprobs"] = np.asarray(jax.block_until_ready(logprobs_fn(ref_params, batch)))
         t["ref_logprobs"] = time.perf_counter() - start
@@ -169,10 +181,16 @@ def run_worker(args) -> dict:
                 times[ph].append(t[ph])
         real = int(batch["attention_mask"].sum())
         slots = batch["input_ids"].size
-        update_pad = float(np.mean(step_fn.padding[mark:])) if packed else 1 - real / slots
+        if step:  # padding over the timed steps
+            pads.append(float(np.mean(step_fn.padding[mark:])) if packed else 1 - real / slots)
+            decode_slots = getattr(rollout, "decode_row_steps", 0) or len(lengths) * args.gen_len
+            rollout_pads.append(1 - int(got.sum()) / decode_slots)
         rows = batch["attention_mask"].sum(1)
-        stats = {"real_tokens": real, "dense_slots": slots, "update_padding": update_pad,
-                 "generated": int(lengths.sum()), "rollout_stats": getattr(rollout, "stats", None),
+        stats = {"real_tokens": real, "dense_slots": slots, "update_padding": float(np.mean(pads or [0.0])),
+                 "rollout_padding": float(np.mean(rollout_pads or [0.0])),
+                 "generated": int(got.sum()), "ended_early": early,
+                 "decode_row_steps": getattr(rollout, "decode_row_steps", 0),
+                 "decode_attended_keys": getattr(rollout, "decode_attended_keys", 0),
                  "dense_attention_keys": attention_keys([batch["input_ids"].shape[1]] * len(rows)),
                  "real_attention_keys": attention_keys(rows)}
     record = {"label": args.label, "packed": packed, "forced_eos": forced, "num_params": cfg.num_params(),
@@ -201,10 +219,9 @@ def flop_per_real_token(rec: dict, args) -> dict[str, float]:
     slots = s["real_tokens"] / (1 - s["update_padding"]) if packed else s["dense_slots"]
     keys = s["real_attention_keys"] if packed else s["dense_attention_keys"]
     fwd = 2 * n * slots + attn * keys
-    ro = s.get("rollout_stats") or {}
-    decode_slots = ro.get("decoded_row_steps", (args.prompts * args.n) * args.gen_len)
-    decode_keys = ro.get("attended_keys", (args.prompts * args.n) * sum(
-        args.prompt_len + t for t in range(args.gen_len)))
+    decode_slots = s.get("decode_row_steps") or (args.prompts * args.n) * args.gen_len
+    decode_keys = s.get("decode_attended_keys") or (args.prompts * args.n) * sum(
+        args.prompt_len + t for t in range(args.gen_len))
     real = s["real_tokens"]
     return {"rollout": (2 * n * decode_slots + attn * decode_keys) / real, "ref_logprobs": fwd / real,
             "update": 2 * 3 * fwd / real}  # two Lopti passes, forward + backward
@@ -254,9 +271,7 @@ def main(argv=None) -> int:
             if p in ("update", "ref_logprobs"):
                 pad = f"{rec['stats']['update_padding']:.1%}"
             elif p == "rollout":
-                ro = rec["stats"].get("rollout_stats") or {}
-                pad = f"{ro['padding']:.1%}" if "padding" in ro else \
-                    f"{1 - lengths.sum() / (len(lengths) * args.gen_len):.1%}"
+                pad = f"{rec['stats']['rollout_padding']:.1%}"
             else:
                 pad = "-"
             flop = flop_per_real_token(rec, args).get(p)
@@ -265,6 +280,8 @@ def main(argv=None) -> int:
     if "before" in summary:
         before, after = sum(summary["before"].values()), sum(summary["after"].values())
         print(f"\nwhole RL step: before {before:.2f}s, after {after:.2f}s: {before / after:.2f}x faster")
+    early = [r["stats"].get("ended_early", 0) for r in records["after"]]
+    print(f"rows that sampled the EOS id before their forced length (this checkout, last step of each round): {early}")
     after_compiles = [r["compiles_after_warmup"] for r in records["after"]]
     print(f"compilations after the warm-up step (this checkout): {after_compiles}")
     assert all(c == 0 for c in after_compiles), "this checkout recompiled after its warm-up step"

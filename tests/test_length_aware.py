@@ -72,6 +72,12 @@ def test_length_aware_equals_dense(policy, kw):
     assert slots[0] == p + 4 and slots[-1] == p + R and set(slots) == {p + 4, p + 8, p + 16}
     # the forced lengths hold on both paths (a sampled EOS may end a row sooner)
     assert np.all(got.lengths <= np.minimum(STOPS, R)) and (got.lengths == np.minimum(STOPS, R)).mean() > 0.5
+    # cost accounting: the dense loop runs every row for R steps over the whole cache; the
+    # length-aware loops run fewer row steps, never fewer than the tokens they produced
+    rows = len(PROMPTS) * N
+    assert dense.decode_row_steps == rows * R and dense.decode_attended_keys == rows * R * (p + R)
+    assert got.lengths.sum() <= got.decode_row_steps < dense.decode_row_steps
+    assert got.decode_attended_keys < dense.decode_attended_keys
 
 
 def test_forced_lengths_look_like_real_responses(policy):

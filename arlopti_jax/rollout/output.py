@@ -22,6 +22,8 @@ class Rollout:
     group_ids      [N] int32     index of the prompt each row answers
     decode_steps   int           response positions the decode loop produced (< R when
                                  every sample finished early)
+    decode_loops   tuple         (rows of the global batch, cache slots, step reached) of each
+                                 decode loop run, the first from step 0 (the prefill's token)
     """
 
     prompt_ids: np.ndarray
@@ -33,6 +35,20 @@ class Rollout:
     truncated: np.ndarray
     group_ids: np.ndarray
     decode_steps: int
+    decode_loops: tuple = ()
+
+    @property
+    def decode_row_steps(self) -> int:
+        """Row x step slots the sampler ran (padding and finished rows included): its cost,
+        against ``lengths.sum()`` real tokens."""
+        steps = [0] + [step for _, _, step in self.decode_loops]
+        return sum(rows * (steps[i + 1] - steps[i]) for i, (rows, _, _) in enumerate(self.decode_loops))
+
+    @property
+    def decode_attended_keys(self) -> int:
+        """Cache slots read over all row steps (each step attends over its loop's whole cache)."""
+        steps = [0] + [step for _, _, step in self.decode_loops]
+        return sum(rows * slots * (steps[i + 1] - steps[i]) for i, (rows, slots, _) in enumerate(self.decode_loops))
 
     @property
     def num_responses(self) -> int:

@@ -482,4 +482,5 @@ class Sampler:
             truncated=~fetch(done.finished),
             group_ids=np.repeat(np.arange(batch.num_prompts, dtype=np.int32), n),
             decode_steps=done.steps,
+            decode_loops=tuple((rows * self.devices, slots, step) for rows, slots, step in done.loops),
         )
