@@ -11,6 +11,8 @@ from pathlib import Path
 
 import ml_collections
 
+from arlopti_jax.models.config import ATTENTION_IMPLS
+
 # The config file the train and eval commands use without --config: the embedded CPU default.
 DEFAULT_CONFIG = str(Path(__file__).with_name("default_config.py"))
 ADV_ESTIMATORS = ("grpo", "reinforce_plus_plus", "rloo", "dr_grpo")
@@ -39,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # weights (and so AdamW state)
     c.model.remat = True
     c.model.unroll_layers = False  # layers as straight-line code, not a loop (faster on CPU; slower compiles)
+    c.model.attention = "auto"  # training/prefill attention: auto (cuDNN's fused kernel on GPUs at 16-bit), xla, cudnn
     c.model.logprob_chunk = 256  # positions per vocab-projection chunk
 
     c.data = ml_collections.ConfigDict()
@@ -149,6 +152,8 @@ FIELD_DOCS = {
     "model.dtype": "activation dtype (`float32`, `bfloat16`); log-probs and losses are float32",
     "model.param_dtype": "weight dtype, and so the AdamW state's",
     "model.remat": "rematerialise each layer in the backward pass",
+    "model.attention": "training and prefill attention: 'auto' (cuDNN's fused kernel on a GPU with a 16-bit "
+                       "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
     "model.unroll_layers": "layers as straight-line code instead of a scanned loop: faster small models on CPU, "
                            "longer compiles",
     "model.logprob_chunk": "positions per vocabulary-projection chunk (no [B, T, V] tensor is held)",
@@ -260,7 +265,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     for field, allowed in [("algo.adv_estimator", ADV_ESTIMATORS), ("algo.weighting", WEIGHTINGS),
                            ("algo.lopti_split", LOPTI_SPLITS), ("loss.kl_type", KL_TYPES),
                            ("loss.agg", AGGREGATIONS), ("optim.schedule", SCHEDULES),
-                           ("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
+                           ("model.dtype", DTYPES), ("model.param_dtype", DTYPES), ("model.attention", ATTENTION_IMPLS),
                            ("data.prompt_style", PROMPT_STYLES)]:
         _choice(c, field, allowed)
     _check(0.0 <= c.algo.ar_alpha <= 1.0, "algo.ar_alpha", c.algo.ar_alpha, "must be in [0, 1]")

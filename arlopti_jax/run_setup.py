@@ -61,7 +61,8 @@ def load_policy(config, mesh, model_path: Path) -> Policy:
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     model_cfg, params = load_pretrained(model_path, mesh=mesh, dtype=config.model.dtype,
                                         param_dtype=config.model.param_dtype, remat=config.model.remat,
-                                        unroll_layers=config.model.unroll_layers)
+                                        unroll_layers=config.model.unroll_layers,
+                                        attention=config.model.get("attention", "auto"))
     return Policy(model_cfg, params, tokenizer, model_path)
 
 

@@ -173,3 +173,32 @@ def test_remat_gives_same_logits_and_gradients(tmp_path):
     remat = jax.value_and_grad(lambda p: loss(cfg.replace(remat=True), p))(params)
     np.testing.assert_allclose(plain[0], remat[0], rtol=1e-6)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), plain[1], remat[1])
+
+
+def test_attention_mask_has_no_empty_row_and_keeps_valid_rows():
+    """Left-padded prompts: a valid query sees exactly the valid slots up to its own (checked
+    against a direct loop); a padding query sees its own slot only, so no softmax row is empty
+    (what the fused GPU kernel needs)."""
+    from arlopti_jax.models.decoder import attention_mask
+
+    kv = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]], np.int32)
+    got = np.asarray(attention_mask(jnp.asarray(kv), 6, 0))[:, 0]
+    for b in range(3):
+        for t in range(6):
+            want = [bool(kv[b, s]) and s <= t for s in range(6)] if kv[b, t] else [s == t for s in range(6)]
+            assert got[b, t].tolist() == want, (b, t)
+    # decode: one query at slot 4 of a 6-slot cache
+    step = np.asarray(attention_mask(jnp.asarray(kv), 1, 4))[:, 0, 0]
+    assert step.tolist() == [[bool(kv[b, s]) and s <= 4 for s in range(6)] for b in range(3)]
+
+
+def test_attention_impl_is_validated_and_xla_equals_auto_on_cpu(tmp_path):
+    with pytest.raises(ValueError, match=r"attention='flash'.*'auto', 'xla', 'cudnn'"):
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=4, attention="flash")
+    folder = write_hf_model(tmp_path / "a")
+    cfg, params = load_pretrained(folder, mesh=_single_mesh())
+    ids, mask = (jnp.asarray(a) for a in padded_batch(seed=5, length=9))
+    auto, _ = token_logprobs(cfg, params, ids, mask)
+    xla, _ = token_logprobs(cfg.replace(attention="xla"), params, ids, mask)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))

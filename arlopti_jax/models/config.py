@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "lla
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")  # training / prefill attention (decode reads the KV cache itself)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Qwen2/Llama decoder.
@@ -46,11 +49,14 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: bool = False
     unroll_layers: bool = False  # straight-line layers instead of a loop: faster steps, longer compiles
+    attention: str = "auto"  # one of ATTENTION_IMPLS: "auto" = cuDNN's fused kernel on GPUs at 16-bit, else XLA
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: allowed {sorted(_DTYPES)}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.attention={self.attention!r}: allowed {list(ATTENTION_IMPLS)}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r} is not supported: "
