@@ -45,6 +45,9 @@ def get_config(arg: str = "3b,grpo_ar_lopti"):
     c.rollout.temperature = 0.7
     c.rollout.top_p = 1.0
     c.rollout.max_response_length = 4096
+    # bf16: the sampler's log-probs and a teacher-forced pass differ enough to clip ~6% of the first
+    # mini-batch's tokens before the policy moves (1% with recompute): docs/benchmarks.md, GPU section
+    c.rollout.recompute_old_logprobs = True
     c.algo.adv_estimator = estimator
     c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta
     c.loss.kl_coef = 0.001

@@ -24,6 +24,7 @@ def get_config(variant: str = "grpo_ar_lopti"):
     c.data.prompt_style = "messages"
     c.data.max_prompt_length = 1024
     c.rollout.max_response_length = 3072
+    c.rollout.recompute_old_logprobs = True  # bf16 sampler log-probs drift from the update's: see configs/kk.py
     c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = VARIANTS[variant]
     c.train.batch_prompts = 64
     c.train.mini_batch = 256
