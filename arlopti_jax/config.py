@@ -268,6 +268,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
                            ("model.dtype", DTYPES), ("model.param_dtype", DTYPES), ("model.attention", ATTENTION_IMPLS),
                            ("data.prompt_style", PROMPT_STYLES)]:
         _choice(c, field, allowed)
+    _check(c.model.attention != "cudnn" or c.model.dtype == "bfloat16", "model.attention", c.model.attention,
+           "cuDNN's fused attention needs model.dtype='bfloat16' ('auto' falls back to XLA by itself)")
     _check(0.0 <= c.algo.ar_alpha <= 1.0, "algo.ar_alpha", c.algo.ar_alpha, "must be in [0, 1]")
     eta = c.algo.lopti_eta
     _check(-1.0 <= eta <= 1.0, "algo.lopti_eta", eta, "must be in [-1, 1] (0 = off, sign = pass order)")

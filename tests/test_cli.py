@@ -74,6 +74,7 @@ def test_readme_config_table_is_the_generated_one():
     ("algo.max_sample_rounds", 0, "algo.max_sample_rounds=0 is invalid: must be >= 1"),
     ("algo.overlong_buffer", 4096, "algo.overlong_buffer=4096 is invalid: must be in [0, rollout.max_response_length"),
     ("algo.overlong_penalty", -1.0, "algo.overlong_penalty=-1.0 is invalid"),
+    ("model.attention", "flash", "model.attention='flash' is invalid: allowed values are ['auto', 'xla', 'cudnn']"),
 ])
 def test_new_fields_are_validated(field, value, message):
     c = base_config()
@@ -81,6 +82,15 @@ def test_new_fields_are_validated(field, value, message):
     c[group][name] = value
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(c)
+
+
+def test_cudnn_attention_needs_bfloat16():
+    c = base_config()
+    c.model.attention, c.model.dtype = "cudnn", "float32"
+    with pytest.raises(ConfigError, match=re.escape("model.attention='cudnn' is invalid: cuDNN's fused attention")):
+        validate(c)
+    c.model.dtype = "bfloat16"
+    validate(c)
 
 
 def test_filter_groups_needs_groups():
