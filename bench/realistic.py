@@ -4,9 +4,11 @@ interleaved in one run, plus the tiny-shape comparison with transformers.
     python bench/realistic.py                          # before = 7530733 (the last dense commit)
     python bench/realistic.py --before none --rounds 1 # this checkout only
     python bench/realistic.py --skip-tiny              # without bench/tiny_vs_hf.py
+    JAX_PLATFORMS=cuda python bench/realistic.py --before none --skip-tiny --shape 0.5b --dtype bfloat16 \
+        --prompts 8 --n 8 --prompt-len 256 --gen-len 2048 --mini-batch 32 --micro 8      # GPU
 
 Workload (fixed seed): a tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV
-heads, ffn 1024, tied), ``--prompts`` x ``--n`` responses, prompts of ``--prompt-len`` / 2 to
+heads, ffn 1024, tied; or ``--shape``, a Qwen2.5 preset of ``bench/shapes.py``), ``--prompts`` x ``--n`` responses, prompts of ``--prompt-len`` / 2 to
 ``--prompt-len`` tokens (left-padded to the bucket), response lengths log-normal with median
 ``--median`` x ``--gen-len`` (sigma 0.8), clipped to [8, gen-len], and ``--at-max`` of the rows
 at exactly gen-len; every response ends with an EOS at its length. The phases are train.py's
@@ -62,10 +64,24 @@ def parse_args(argv=None):
     ap.add_argument("--at-max", type=float, default=0.06, help="share of responses at gen-len")
     ap.add_argument("--mini-batch", type=int, default=16)
     ap.add_argument("--micro", type=int, default=8, help="rows of a dense micro-batch")
+    ap.add_argument("--shape", default="bench", help="'bench' (the tiny Qwen2 above) or a bench/shapes.py preset")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="parameter dtype (the trainer's default: float32 master weights)")
     ap.add_argument("--skip-tiny", action="store_true", help="skip the tiny-shape comparison with transformers")
     ap.add_argument("--worker", choices=("run",), help=argparse.SUPPRESS)
     ap.add_argument("--label", default="", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def model_dims(args) -> dict:
+    """The workload's model dimensions: ``DIMS`` or a ``bench/shapes.py`` preset."""
+    if args.shape == "bench":
+        return DIMS
+    sys.path.insert(0, str(HERE))
+    from shapes import dims
+
+    return dims(args.shape)
 
 
 def workload(args):
@@ -74,7 +90,7 @@ def workload(args):
 
     rng = np.random.default_rng(0)
     plens = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.prompts)
-    prompts = [rng.integers(3, DIMS["vocab"], int(p)).tolist() for p in plens]
+    prompts = [rng.integers(3, model_dims(args)["vocab"], int(p)).tolist() for p in plens]
     rows = args.prompts * args.n
     lengths = np.clip(np.round(rng.lognormal(np.log(args.median * args.gen_len), 0.8, rows)), 8, args.gen_len)
     lengths[rng.permutation(rows)[:max(1, round(args.at_max * rows))]] = args.gen_len
@@ -111,8 +127,9 @@ def run_worker(args) -> dict:
     prompts, lengths = workload(args)
     mesh = shd.make_mesh({"fsdp": -1})
     packed = "tokens_per_device" in inspect.signature(algos.make_train_step).parameters
-    overrides = {"unroll_layers": True} if packed else {}
-    cfg = model_config(DIMS).replace(eos_token_id=EOS, **overrides)
+    overrides = {"unroll_layers": True} if packed and args.shape == "bench" else {}  # short stacks only
+    cfg = model_config(model_dims(args), dtype=args.dtype, param_dtype=args.param_dtype).replace(
+        eos_token_id=EOS, **overrides)
     params = init_params(cfg, jax.random.key(0), mesh)
     ref_params = jax.tree.map(lambda x: x.copy(), params)
     optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-6))
@@ -202,7 +219,7 @@ def run_worker(args) -> dict:
 def spawn(args, label: str, pythonpath: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "run", "--label", label] + [
         a for a in sys.argv[1:] if a not in ("--skip-tiny",)]
-    env = {**os.environ, "PYTHONPATH": pythonpath}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=pythonpath)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -213,7 +230,8 @@ def spawn(args, label: str, pythonpath: str) -> dict:
 def flop_per_real_token(rec: dict, args) -> dict[str, float]:
     """Model FLOP per real (prompt + response) token, per phase, from the slots each path processed."""
     s, n = rec["stats"], rec["num_params"]
-    L, heads, hd = DIMS["layers"], DIMS["heads"], DIMS["hidden"] // DIMS["heads"]
+    d = model_dims(args)
+    L, heads, hd = d["layers"], d["heads"], d["hidden"] // d["heads"]
     attn = 4 * L * heads * hd  # FLOP per (query, key) pair, forward
     packed = rec["packed"]
     slots = s["real_tokens"] / (1 - s["update_padding"]) if packed else s["dense_slots"]
@@ -238,7 +256,8 @@ def main(argv=None) -> int:
     print(f"workload: {args.prompts} prompts x {args.n}, prompt {min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens, responses median {int(np.median(lengths))} / mean {lengths.mean():.0f} / max {lengths.max()} "
           f"of {args.gen_len} ({(lengths == args.gen_len).sum()} at the max); mini-batch {args.mini_batch}, dense "
-          f"micro-batch {args.micro} rows; tiny Qwen2 {DIMS}")
+          f"micro-batch {args.micro} rows; Qwen2 {model_dims(args)}, compute {args.dtype}, params "
+          f"{args.param_dtype}")
     sides = {"after": str(ROOT)}
     tmp = None
     if args.before != "none":

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/benchmarks.md, in the groups one lease runs per command.
+#
+#   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
+#   bash bench/gpu.sh decode      # sampler tokens/s and HBM roofline fraction; train-step MFU; cuDNN probe
+#   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
+#
+# Every benchmark's output is also written to $OUT/<name>.log (or ./gpu_logs/ when OUT is unset);
+# ONLY="name ..." runs just the named benchmarks of a group; each runs under its own time limit so that one slow benchmark cannot take the others with it.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+LOGS="${OUT:-gpu_logs}"
+mkdir -p "$LOGS"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+
+run() {  # run NAME SECONDS ARGS...: one benchmark, logged
+  local name=$1 limit=$2
+  shift 2
+  if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": just these
+  echo "=== $name: $*"
+  local start=$SECONDS
+  timeout "$limit" "$PY" "$@" 2>&1 | grep -v "^\s*$" | tee "$LOGS/$name.log" | tail -n 25
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+
+setup() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || exit 1
+    export PYTHONPATH="/tmp/site:$PWD"
+  else
+    export PYTHONPATH="$PWD"
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  "$PY" -c "import jax, flax, optax, orbax.checkpoint, transformers; print('jax', jax.__version__, 'flax', \
+flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())"
+}
+
+case "${1:-}" in
+  setup) setup ;;
+  decode)
+    setup
+    run attention_probe 90 bench/attention_probe.py --rows 4 --tokens 4096 --segments 4
+    run train_step_1.5b 130 bench/train_step.py --shape 1.5b --batch 32 --seq 1024 --micro 4 --steps 3 \
+      --dtype bfloat16 --remat --skip-rollout-batch
+    run train_step_0.5b 100 bench/train_step.py --shape 0.5b --batch 32 --seq 1024 --micro 4 --steps 3 \
+      --dtype bfloat16 --skip-rollout-batch
+    ;;
+  rlstep)
+    setup
+    run rollout_1.5b 190 bench/rollout.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 --skip-hf \
+      --rounds 2 --dense
+    run logprob_gap_1.5b 150 bench/logprob_gap.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 \
+      --logit-scale 1,3 --micro-tokens 2048
+    run realistic_0.5b 260 bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 0.5b \
+      --dtype bfloat16 --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8
+    ;;
+  *) echo "usage: bash bench/gpu.sh {setup|decode|rlstep}" >&2; exit 2 ;;
+esac
