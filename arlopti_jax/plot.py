@@ -9,15 +9,17 @@ protobufs) and draws a grid of the main curves with matplotlib.
 from __future__ import annotations
 
 import argparse
+import re
 import struct
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+# Each panel's curves: tags matching its patterns (full matches), in pattern order, then by name.
 PANELS = [
-    ("reward", ["reward/mean", "reward/kk_logic2", "reward/kk_logic3"]),
-    ("train accuracy", ["acc/all", "acc/kk_logic2", "acc/kk_logic3"]),
-    ("eval accuracy (greedy)", ["eval/avg/greedy_acc", "eval/test_2ppl/greedy_acc", "eval/test_3ppl/greedy_acc"]),
+    ("reward", ["reward/mean", r"reward/kk_logic\d+"]),
+    ("train accuracy", ["acc/all", r"acc/kk_logic\d+"]),
+    ("eval accuracy (greedy)", ["eval/avg/greedy_acc", r"eval/test_[^/]+/greedy_acc"]),
     ("response length", ["response/length_mean", "response/length_max"]),
     ("KL to reference", ["update/low/kl", "update/high/kl", "update/kl"]),
     ("entropy", ["update/low/entropy", "update/high/entropy", "update/entropy"]),
@@ -58,7 +60,8 @@ def plot(run_dir: str | Path, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     scalars = read_scalars(run_dir)
-    panels = [(title, [t for t in tags if t in scalars]) for title, tags in PANELS]
+    panels = [(title, [t for pattern in patterns for t in sorted(scalars) if re.fullmatch(pattern, t)])
+              for title, patterns in PANELS]
     panels = [(title, tags) for title, tags in panels if tags]
     cols = 3
     rows = -(-len(panels) // cols)
