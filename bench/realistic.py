@@ -5,16 +5,17 @@ interleaved in one run, plus the tiny-shape comparison with transformers.
     python bench/realistic.py --before none --rounds 1 # this checkout only
     python bench/realistic.py --skip-tiny              # without bench/tiny_vs_hf.py
     JAX_PLATFORMS=cuda python bench/realistic.py --before none --skip-tiny --shape 0.5b --dtype bfloat16 \
-        --prompts 8 --n 8 --prompt-len 256 --gen-len 2048 --mini-batch 32 --micro 8      # GPU
+        --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8      # GPU
 
-Workload (fixed seed): a tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV
-heads, ffn 1024, tied; or ``--shape``, a Qwen2.5 preset of ``bench/shapes.py``), ``--prompts`` x ``--n`` responses, prompts of ``--prompt-len`` / 2 to
-``--prompt-len`` tokens (left-padded to the bucket), response lengths log-normal with median
-``--median`` x ``--gen-len`` (sigma 0.8), clipped to [8, gen-len], and ``--at-max`` of the rows
-at exactly gen-len; every response ends with an EOS at its length. The phases are train.py's
-step (GRPO + AR + Lopti, KL on): rollout, reference log-probs, advantages, update (two Lopti
-passes over ``--mini-batch`` mini-batches; dense micro-batches of ``--micro`` rows, which also
-set the packed token budget).
+Workload (fixed seed): a tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV heads,
+ffn 1024, tied; or ``--shape``, a Qwen2.5 preset of ``bench/shapes.py``), ``--prompts`` x ``--n``
+responses, prompts of ``--prompt-len`` / 2 to ``--prompt-len`` tokens (left-padded to the bucket),
+response lengths log-normal with median ``--median`` x ``--gen-len`` (sigma 0.8), clipped to [8,
+gen-len], and ``--at-max`` of the rows at exactly gen-len; every response ends with an EOS at its
+length.
+The phases are train.py's step (GRPO + AR + Lopti, KL on): rollout, reference log-probs,
+advantages, update (two Lopti passes over ``--mini-batch`` mini-batches; dense micro-batches of
+``--micro`` rows, which also set the packed token budget).
 
 The earlier commit's sampler cannot force an EOS; it stops only when every row has finished,
 and rows at gen-len finish last, so its rollout cost is that of generating gen-len tokens for

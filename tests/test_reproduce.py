@@ -25,9 +25,10 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def run_quick(out: Path) -> subprocess.CompletedProcess:
+def run_quick(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``python -m arlopti_jax.reproduce --quick [extra] --out OUT`` on CPU."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "arlopti_jax.reproduce", "--quick", "--out", str(out)],
+    return subprocess.run([sys.executable, "-m", "arlopti_jax.reproduce", "--quick", *extra, "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -131,10 +132,9 @@ def test_a_start_point_of_another_scale_is_refused(gpu_start_point, tmp_path):
 
 
 def run_jobs(out: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # no diagnostics: their compiles are half of a worker's time
-    return subprocess.run([sys.executable, "-m", "arlopti_jax.reproduce", "--quick", "--scale", "gpu", "--jobs", "2",
-                           "--variants", "grpo,grpo_ar_lopti", "--diagnostics-every", "0", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
+    # no diagnostics: their compiles are half of a worker's time
+    return run_quick(out, "--scale", "gpu", "--jobs", "2", "--variants", "grpo,grpo_ar_lopti",
+                     "--diagnostics-every", "0")
 
 
 @pytest.fixture(scope="module")
