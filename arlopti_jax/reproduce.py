@@ -334,7 +334,7 @@ class Sweep:
         base = get_config()
         todo = run_names(self.variants, self.seeds)
         if self.worker is not None:  # every variant's seed 0 first: a stopped --jobs sweep leaves whole seeds
-            todo = [f"{v}/seed{s}" for s in self.seeds for v in self.variants]
+            todo = sorted(todo, key=lambda name: int(name.split("/seed")[1]))  # stable: variants in order
         bar = tqdm(total=len(todo) * self.steps, desc="sweep", unit="step", position=0)
         for name in todo:
             variant, seed = name.split("/")[0], int(name.split("/seed")[1])

@@ -91,7 +91,8 @@ def workload(args):
 
     rng = np.random.default_rng(0)
     plens = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.prompts)
-    prompts = [rng.integers(3, model_dims(args)["vocab"], int(p)).tolist() for p in plens]
+    vocab = model_dims(args)["vocab"]
+    prompts = [rng.integers(3, vocab, int(p)).tolist() for p in plens]
     rows = args.prompts * args.n
     lengths = np.clip(np.round(rng.lognormal(np.log(args.median * args.gen_len), 0.8, rows)), 8, args.gen_len)
     lengths[rng.permutation(rows)[:max(1, round(args.at_max * rows))]] = args.gen_len
