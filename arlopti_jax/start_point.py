@@ -48,7 +48,7 @@ import numpy as np
 from arlopti_jax import sharding as shd
 from arlopti_jax.models import ModelConfig, init_params, save_pretrained
 from arlopti_jax.tasks.kk import puzzle_row, write_parquet
-from arlopti_jax.tasks.kk_puzzles import generate_puzzles
+from arlopti_jax.tasks.kk_puzzles import QUIZ_INTRO, generate_puzzles
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def compact_rows(n_people: int, count: int, seed: int) -> list[dict]:
                for p in generate_puzzles(n_people, count, seed)]
     rows = [puzzle_row(p, i, data_source=f"kk_logic{n_people}") for i, p in enumerate(puzzles)]
     for row in rows:
+        row["quiz"] = row["quiz"].removeprefix(QUIZ_INTRO)  # the same two sentences in every puzzle
         row["prompt"] = [{"role": "user", "content": (
             f"<|im_start|>system\n{SYSTEM_LINE}<|im_end|>\n<|im_start|>user\n{row['quiz']}<|im_end|>\n"
             "<|im_start|>assistant\n<think>")}]

@@ -88,29 +88,45 @@ def make_sft_step(model_cfg: ModelConfig, optimizer, mesh, rules=shd.DEFAULT_RUL
     return step
 
 
+def batch_schedule(lengths: np.ndarray, batch: int, steps: int, seed: int = 0, pool: int = 8) -> list[np.ndarray]:
+    """Row indices for each of ``steps`` batches, grouped by length: every epoch shuffles the
+    rows, sorts each run of ``pool`` batches' worth of rows by length, cuts it into batches and
+    shuffles the epoch's batches (an epoch's last rows short of a batch wait for the next
+    epoch). A batch then holds rows of similar length, so trimming it to its longest row pays
+    for little padding, while each row is still seen once per epoch in random company."""
+    n = len(lengths)
+    if n < batch:
+        raise ValueError(f"SFT needs at least batch={batch} rows, got {n}")
+    rng = np.random.default_rng(seed)
+    out: list[np.ndarray] = []
+    while len(out) < steps:
+        order = rng.permutation(n)[: n - n % batch]
+        epoch = []
+        for start in range(0, len(order), pool * batch):
+            chunk = order[start:start + pool * batch]
+            chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+            epoch += [np.sort(chunk[i:i + batch]) for i in range(0, len(chunk), batch)]
+        out += [epoch[i] for i in rng.permutation(len(epoch))]
+    return out[:steps]
+
+
 def run_sft(model_cfg: ModelConfig, params, tokenizer, rows: list[dict], *, steps: int, batch: int,
             lr: float, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0,
             max_length: int = 1024, seed: int = 0, mesh=None, desc: str = "sft") -> tuple[dict, list[float]]:
-    """Train ``params`` on ``rows``; returns the new params and the loss per step."""
+    """Train ``params`` on ``rows`` in length-grouped batches (``batch_schedule``), each trimmed
+    to its longest row rounded up to 16 tokens; returns the new params and the loss per step."""
     mesh = mesh if mesh is not None else shd.make_mesh({"fsdp": -1})
     data = tokenize_pairs(rows, tokenizer, max_length)
-    if len(rows) < batch:
-        raise ValueError(f"SFT needs at least batch={batch} rows, got {len(rows)}")
+    lengths = data["attention_mask"].sum(1)
+    schedule = batch_schedule(lengths, batch, steps, seed)
     optimizer = make_optimizer(lr, steps, warmup, weight_decay, grad_clip)
     with shd.activate(mesh):
         opt_state = jax.jit(optimizer.init)(params)
         step = make_sft_step(model_cfg, optimizer, mesh)
-        rng = np.random.default_rng(seed)
-        order, pos, losses = rng.permutation(len(rows)), 0, []
-        bar = tqdm(range(steps), desc=desc, disable=jax.process_index() != 0)
-        for _ in bar:
-            if pos + batch > len(order):
-                order, pos = rng.permutation(len(rows)), 0
-            idx = np.sort(order[pos:pos + batch])
-            pos += batch
-            # trim to the longest row of this batch, rounded up to 32 (few compiled shapes)
-            longest = int(data["attention_mask"][idx].sum(1).max())
-            width = min(data["input_ids"].shape[1], -(-longest // 32) * 32)
+        losses = []
+        bar = tqdm(schedule, desc=desc, disable=jax.process_index() != 0)
+        for idx in bar:
+            width = min(data["input_ids"].shape[1], -(-int(lengths[idx].max()) // 16) * 16)
             # placed explicitly: a multi-process run (process 0 building the start point on its own
             # devices) may not pass host arrays to a jit with shardings
             mb = jax.device_put({k: v[idx, :width] for k, v in data.items()}, shd.batch_sharding(mesh))
