@@ -6,7 +6,8 @@
 
 Rows hold ``prompt`` (a string or chat messages, rendered as the RL loader does) and
 ``response`` (the target text; the tokenizer's EOS is appended). The loss is the mean
-negative log-likelihood of response tokens (``arlopti_jax.supervised``). ``tiny=True``
+negative log-likelihood of response tokens (``arlopti_jax.supervised``); batches group rows of
+similar length, so trimming each to its longest row leaves little padding. ``tiny=True``
 builds the embedded default's start point instead: a tokenizer trained on generated K&K
 text and a small random Qwen2 model, warm-started on generated K&K worked solutions (see
 ``start_point``). The result is a Hugging Face folder that ``arlopti_jax.train`` loads as

@@ -4,24 +4,25 @@
   folder/data/train.parquet, test_{n}ppl.parquet for each of the scale's people counts n
       generated K&K puzzles (data_source kk_logic{n}) in the public data's schema, with the chat
       template embedded in the prompt like the public files, but a one-line system prompt
-      instead of the public data's paragraph, and people named by position (Alice, Bob, Carol,
-      Dave, Eve) and every claim reported with the same phrase: a model this small does not
-      learn to copy arbitrary names or read 18 ways of quoting a claim in a CPU budget, so the
-      task left to learn is the knights-and-knaves logic itself;
+      instead of the public data's paragraph, no quiz intro (``QUIZ_INTRO``: the same two
+      sentences in every puzzle, a fifth of its tokens), people named by position (Alice, Bob,
+      Carol, Dave, Eve) and every claim reported with the same phrase: a model this small does
+      not learn to copy arbitrary names or read 18 ways of quoting a claim in a CPU budget, so
+      the task left to learn is the knights-and-knaves logic itself;
   folder/model/  a Hugging Face folder: a byte-level BPE tokenizer trained with
       ``tokenizers`` on generated K&K text, and a small Qwen2-architecture model trained
       from random initialisation (``arlopti_jax.sft``) on right answers;
-  folder/scale.json  the scale, seed and sizes it was built with: a folder built with other
-      settings is never reused silently (``StartPointMismatch``).
+  folder/scale.json  the scale, build number, seed and sizes it was built with: a folder built
+      with other settings or by an earlier build is never reused silently (``StartPointMismatch``).
 Two scales (``SCALES``): ``cpu``, the default (2 and 3 people; a 0.85M-parameter model, hidden
-128, 4 layers; 600 SFT steps; after them its answers, forced into the answer block, are right
-for about 0.47 / 0.25 of 2 / 3-person puzzles, against 0.25 / 0.125 by guessing), and ``gpu``,
+128, 4 layers; 600 SFT steps in length-grouped batches; after them its answers, forced into the
+answer block, are right for about 0.53 / 0.29 of 2 / 3-person puzzles, against 0.25 / 0.125 by
+guessing), and ``gpu``,
 for one accelerator (3, 4 and 5 people; a 24.4M-parameter model, hidden 512, 8 layers of 8
 heads / 2 KV heads, computing in bfloat16 with float32 weights; 2000 SFT steps of 64 rows drawn
 from 16000 puzzles per people count). Both tokenizers stop short of ``vocab_size``: the text has
 few distinct words, so BPE runs out of merges at about 420 tokens (448 rows, padded). A folder
-without scale.json was built before scales existed, at the cpu scale. The cpu scale's data,
-tokenizer and model are those this module built before it had scales (same seeds, names, SFT).
+without scale.json was built before scales existed, at the cpu scale (build 1).
 To fit the budget, responses are short: the prompt opens ``<think>``, and
 the SFT target closes it at once and gives the answer. Every SFT answer is right, but only
 ``sft_tagged_share`` (30%) of them are written in the ``<answer>`` block the reward reads;
@@ -75,6 +76,9 @@ SCALES = {
 }
 TINY = SCALES["cpu"]
 SCALE_FILE = "scale.json"
+# What this module builds, numbered: 1 (no number recorded) kept the quiz intro in the prompts and
+# drew random SFT batches; 2 drops the intro and groups SFT batches by length.
+BUILD = 2
 
 
 class StartPointMismatch(ValueError):
@@ -169,6 +173,10 @@ def check_start_point(folder: str | Path, scale: str = "cpu", seed: int = 0, siz
         raise StartPointMismatch(
             f"{folder} holds a start point of scale {built['scale']!r}, not {scale!r}: use another output "
             f"folder, or remove {folder} to build the {scale!r} one")
+    if built.get("build", 1) != BUILD:
+        raise StartPointMismatch(
+            f"{folder} holds a start point built by an earlier version of this project (build "
+            f"{built.get('build', 1)}; this one builds {BUILD}, with shorter prompts): remove {folder} to rebuild it")
     wanted = {"scale": scale, "seed": seed, "sizes": scale_sizes(scale, sizes)}
     wanted = json.loads(json.dumps(wanted))  # as stored (tuples as lists)
     differ = sorted(k for k in wanted["sizes"] if "sizes" in built and built["sizes"].get(k) != wanted["sizes"][k])
@@ -216,7 +224,7 @@ def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = N
     save_pretrained(model_cfg, params, tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     (tmp / "model" / "sft_losses.json").write_text(json.dumps(losses))
-    (tmp / SCALE_FILE).write_text(json.dumps({"scale": scale, "seed": seed, "sizes": s}, indent=1))
+    (tmp / SCALE_FILE).write_text(json.dumps({"scale": scale, "build": BUILD, "seed": seed, "sizes": s}, indent=1))
     if jax.process_index() == 0:
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)

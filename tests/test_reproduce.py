@@ -104,12 +104,12 @@ def test_gpu_scale_start_point_has_3_to_5_people(gpu_start_point):
     for n in (3, 4, 5):
         test = pq.read_table(data / f"test_{n}ppl.parquet").to_pylist()
         assert len(test) == 5 and {r["data_source"] for r in test} == {f"kk_logic{n}"}
-        assert all(len(r["names"]) == n and f"You meet {n} inhabitants" in r["quiz"] for r in test)
+        assert all(len(r["names"]) == n and r["quiz"].startswith(f"You meet {n} inhabitants") for r in test)
     train = pq.read_table(data / "train.parquet").to_pylist()
     assert {r["data_source"] for r in train} == {"kk_logic3", "kk_logic4", "kk_logic5"}
     assert {tuple(r["names"]) for r in train if len(r["names"]) == 5} == {("Alice", "Bob", "Carol", "Dave", "Eve")}
     built = json.loads((gpu_start_point / "scale.json").read_text())
-    assert built["scale"] == "gpu" and built["sizes"]["people"] == [3, 4, 5]
+    assert built["scale"] == "gpu" and built["build"] == 2 and built["sizes"]["people"] == [3, 4, 5]
     config = json.loads((gpu_start_point / "model" / "config.json").read_text())
     assert config["hidden_size"] == 32  # the sizes' model, not the scale's
 
@@ -123,12 +123,13 @@ def test_a_start_point_of_another_scale_is_refused(gpu_start_point, tmp_path):
     with pytest.raises(StartPointMismatch, match=r"other settings .*differing: \['sft_steps'\]"):
         ensure_start_point(gpu_start_point, seed=0, sizes={**TINY_GPU, "sft_steps": 2}, scale="gpu")
     assert ensure_start_point(gpu_start_point, seed=0, sizes=TINY_GPU, scale="gpu") == gpu_start_point
-    legacy = tmp_path / "start_point"  # built before scales: no scale.json, taken as cpu
+    legacy = tmp_path / "start_point"  # built before scales: no scale.json, taken as cpu, build 1
     shutil.copytree(gpu_start_point, legacy)
     (legacy / "scale.json").unlink()
-    assert ensure_start_point(legacy, seed=0) == legacy
     with pytest.raises(StartPointMismatch, match="scale 'cpu', not 'gpu'"):
         ensure_start_point(legacy, seed=0, scale="gpu")
+    with pytest.raises(StartPointMismatch, match=r"earlier version of this project \(build 1; this one builds 2"):
+        ensure_start_point(legacy, seed=0)
 
 
 def run_jobs(out: Path) -> subprocess.CompletedProcess:
