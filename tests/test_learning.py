@@ -19,13 +19,13 @@ from arlopti_jax.start_point import ensure_start_point
 from arlopti_jax.trainer import train
 out = Path(sys.argv[1])
 sp = ensure_start_point(out / "start_point", seed=0, sizes=dict(
-    sft_steps=150, sft_rows_per_size=400, train_rows_per_size=100, test_rows_per_size=40))
+    sft_steps=200, sft_rows_per_size=400, train_rows_per_size=100, test_rows_per_size=40))
 c = get_config()
 c.run_dir = str(out / "run")
 c.model.path = str(sp / "model")
 c.data.train_files = str(sp / "data" / "train.parquet")
 c.data.test_files = ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
-c.train.max_steps, c.train.eval_every, c.train.save_every, c.train.samples_every = 12, 12, 100, 100
+c.train.max_steps, c.train.eval_every, c.train.save_every, c.train.samples_every = 20, 20, 100, 100
 c.train.export_at_end = False
 s = train(c)
 print("SUMMARY " + json.dumps({"rewards": s["rewards"], "before": s["before"], "after": s["after"]}))
