@@ -20,7 +20,7 @@ def get_config():
     c.rollout.n = 8
     c.rollout.temperature = 1.0
     c.rollout.max_response_length = 48
-    # 48-token responses: the dense sampler's two programs per shape cost less to compile than the
+    # 48-token responses: the dense sampler's few programs per batch shape compile faster than the
     # length-aware sampler's phases and row buckets save in decoding (about 75 s per run)
     c.rollout.length_aware = False
     c.rollout.prompt_bucket = 64

@@ -173,10 +173,11 @@ def check_start_point(folder: str | Path, scale: str = "cpu", seed: int = 0, siz
         raise StartPointMismatch(
             f"{folder} holds a start point of scale {built['scale']!r}, not {scale!r}: use another output "
             f"folder, or remove {folder} to build the {scale!r} one")
-    if built.get("build", 1) != BUILD:
+    build = built.get("build", 1)  # none recorded: build 1
+    if build != BUILD:
         raise StartPointMismatch(
-            f"{folder} holds a start point built by an earlier version of this project (build "
-            f"{built.get('build', 1)}; this one builds {BUILD}, with shorter prompts): remove {folder} to rebuild it")
+            f"{folder} holds a start point built by an earlier version of this project (build {build}; "
+            f"this one builds {BUILD}, with shorter prompts): remove {folder} to rebuild it")
     wanted = {"scale": scale, "seed": seed, "sizes": scale_sizes(scale, sizes)}
     wanted = json.loads(json.dumps(wanted))  # as stored (tuples as lists)
     differ = sorted(k for k in wanted["sizes"] if "sizes" in built and built["sizes"].get(k) != wanted["sizes"][k])
