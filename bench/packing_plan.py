@@ -3,8 +3,10 @@
     python bench/packing_plan.py [--shuffles 200]
 
 For two workloads, the share of the processed slots that hold no real token, over random
-shuffles of the rollout into mini-batches (the update shuffles before each pass), and the
-distinct micro-batch shapes the plans use (each compiles once):
+shuffles of the rollout into mini-batches (the update shuffles before each pass), the
+distinct micro-batch shapes the plans use (token rows x row length x target width: each
+compiles once), and the vocabulary projection's work per real target (target-list slots per
+response token; 1 would be no waste):
 
   realistic  ``bench/realistic.py``'s lengths and budget (32 sequences, mini-batches of 16,
              5,120 tokens per micro-batch, its tiny Qwen2's attention cost);
@@ -41,16 +43,18 @@ def simulate(name, attention, response, mini_batch: int, budget: int, attention_
     from arlopti_jax.algos import packing
 
     rng = np.random.default_rng(0)
-    pads, shapes = [], set()
+    pads, shapes, listed, needed = [], set(), 0, 0
     for _ in range(shuffles):
         order = rng.permutation(len(attention))
         plans = [mb for s in range(0, len(order), mini_batch) for mb in packing.plan_micro_batches(
             attention, response, order[s:s + mini_batch], tokens_per_device=budget, num_devices=1,
             attention_cost=attention_cost)]
         pads.append(packing.padding_fraction(plans))
-        shapes.update(mb.token_src.shape for mb in plans)
+        shapes.update(mb.token_src.shape + mb.target_pos.shape[1:] for mb in plans)
+        listed += sum(mb.target_src.size for mb in plans)
+        needed += sum(mb.target_count for mb in plans)
     pads = np.asarray(pads)
-    print(f"| {name} | {pads.mean():.1%} | {np.quantile(pads, 0.9):.1%} | {pads.max():.1%} | {len(shapes)} |")
+    print(f"| {name} | {pads.mean():.1%} | {np.quantile(pads, 0.9):.1%} | {pads.max():.1%} | {len(shapes)} | {listed / needed:.2f} |")
 
 
 def main(argv=None) -> int:
@@ -63,8 +67,8 @@ def main(argv=None) -> int:
 
     from arlopti_jax.start_point import tiny_model_config
 
-    print("| workload | mean padding | 90th percentile | worst | micro-batch shapes |")
-    print("|---|---|---|---|---|")
+    print("| workload | mean padding | 90th percentile | worst | micro-batch shapes | target slots per target |")
+    print("|---|---|---|---|---|---|")
     r = realistic.parse_args([])
     prompts, lengths = realistic.workload(r)
     attention, response = dense_masks(np.repeat([len(p) for p in prompts], r.n), lengths, r.prompt_len, r.gen_len)

@@ -69,15 +69,21 @@ def test_plan_covers_every_token_and_target_once():
         else:
             assert mb.token_src.size <= 2 * 256
         arrays = packing.gather(mb, {"input_ids": batch["input_ids"]}, {"target_ids": batch["input_ids"]})
-        for r in range(mb.token_src.shape[0]):
-            # positions restart per segment; the slot before each target predicts it
+        for r in range(mb.token_src.shape[0]):  # positions restart per segment
             for seg in range(1, mb.segment_ids[r].max() + 1):
                 slots = np.flatnonzero(mb.segment_ids[r] == seg)
                 assert np.array_equal(mb.positions[r, slots], np.arange(len(slots)))
                 assert np.all(np.diff(slots) == 1)
-            used = arrays["target_mask"][r] > 0
-            assert np.array_equal(arrays["input_ids"][r, mb.target_pos[r, used] + 1], arrays["target_ids"][r, used])
+        per_device = mb.token_src.shape[0] // 2
+        assert mb.target_pos.shape[0] == 2 and mb.target_pos.shape[1] in packing.target_widths(
+            per_device * mb.row_length)
+        for d in range(2):  # each device's list: the slot before each target (in its own rows) predicts it
+            used = arrays["target_mask"][d] > 0
+            own_ids = arrays["input_ids"][d * per_device:(d + 1) * per_device].reshape(-1)
+            assert np.array_equal(own_ids[mb.target_pos[d, used] + 1], arrays["target_ids"][d, used])
             assert used[:used.sum()].all()  # active targets first
+        most = int(arrays["target_mask"].sum(axis=1).max())  # the shortest width that holds every device's
+        assert mb.target_pos.shape[1] == min(w for w in packing.target_widths(per_device * mb.row_length) if w >= most)
     assert packing.padding_fraction(plan) < 0.25
 
 

@@ -13,15 +13,17 @@ update and the log-prob passes run on packed micro-batches instead. A micro-batc
             own sequence, so attention costs S keys per token, not L;
     tokens  token ids, ``segment_ids`` (1, 2, ... per sequence of the row, 0 = padding) and
             ``positions`` (restarting at 0 in each sequence), for ``packed_hidden_states``;
-    targets the slots whose next token is a response token (``target_pos``) and that
-            token's index in the dense batch (``target_src``), listed first in each row, so
-            log-probs are computed at response positions only.
+    targets the slots whose next token is a response token (``target_pos``: the slot's
+            index in its device's rows, flattened) and that token's index in the dense batch
+            (``target_src``), one list of ``K`` per device, ``K`` from ``target_widths``
+            (the shortest that holds the device's targets), so the vocabulary projection runs
+            at response positions only, however the rows are filled.
 
 Sequences are taken longest first: the first micro-batches hold the long sequences, the last
 ones the short sequences. A full micro-batch is [D * (L // S), S]; the last one of a
 mini-batch takes the cheapest shape (rows per device 1 to 8, then 12, 16, 24, 32, ...; any row
-length of the ladder) that holds what is left. The passes compile once per shape used (a
-handful: both ladders are short), never per step. Padding is what the rows leave unfilled: 8-9%
+length of the ladder) that holds what is left. The passes compile once per shape used (rows,
+row length and target width: a handful, all three ladders are short), never per step. Padding is what the rows leave unfilled: 8-9%
 of the slots on the embedded default's and ``bench/realistic.py``'s lengths. Everything here is
 a pure function of the lengths, so every process of a multi-process run computes the same plan.
 """
@@ -39,13 +41,14 @@ ROW_LADDER = 1.2  # consecutive row lengths differ by at least this factor (few 
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
-    """One packed micro-batch's layout (host arrays, [R, S] each); ``gather`` fills it.
+    """One packed micro-batch's layout (host arrays, [R, S] unless noted); ``gather`` fills it.
 
     token_src   int64  flat index into the dense [B, T] arrays of each slot's token; -1 = pad
     segment_ids int32
     positions   int32
-    target_pos  int32  slot whose hidden state predicts target k (0 for unused targets)
-    target_src  int64  flat dense index of target k (a response token); -1 = unused
+    target_pos  int32  [D, K]: the slot whose hidden state predicts device d's target k, as an
+                       index into that device's [R / D, S] rows flattened (0 for unused targets)
+    target_src  int64  [D, K]: flat dense index of that target (a response token); -1 = unused
     sequences   int    sequences packed in this micro-batch
     """
 
@@ -79,6 +82,14 @@ def row_lengths(tokens_per_device: int) -> tuple[int, ...]:
         if not ladder or d >= ROW_LADDER * ladder[-1]:
             ladder.append(d)
     return tuple([d for d in ladder if d * ROW_LADDER <= tokens_per_device] + [tokens_per_device])
+
+
+@functools.lru_cache(maxsize=64)
+def target_widths(slots: int) -> tuple[int, ...]:
+    """The target-list lengths a device with ``slots`` token slots may use, ascending: 16, 24,
+    32, 48, 64, 96, ... (steps of 1.5x and 1.33x) below ``slots``, and ``slots``."""
+    widths = sorted(w for i in range(slots.bit_length()) for w in (16 << i, 24 << i) if w < slots)
+    return tuple(widths) + (slots,)
 
 
 def sequence_spans(attention_mask: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
@@ -136,7 +147,7 @@ def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, ro
                 if not rest:
                     length, members = shape[0], fit
                     break
-        out.append(_layout(members, length, rows, spans, response_mask, attention_mask.shape[1]))
+        out.append(_layout(members, length, num_devices, rows, spans, response_mask, attention_mask.shape[1]))
         remaining = left
     return out
 
@@ -171,15 +182,18 @@ def _first_fit(order, lengths, length: int, count: int):
     return members, left
 
 
-def _layout(members: list[list[int]], length: int, rows, spans, response_mask, width: int) -> MicroBatch:
+def _layout(members: list[list[int]], length: int, num_devices: int, rows, spans, response_mask,
+            width: int) -> MicroBatch:
     shape = (len(members), length)
+    per_device = len(members) // num_devices
     token_src = np.full(shape, -1, np.int64)
     segment_ids = np.zeros(shape, np.int32)
     positions = np.zeros(shape, np.int32)
-    target_pos = np.zeros(shape, np.int32)
-    target_src = np.full(shape, -1, np.int64)
+    pos_lists: list[list[np.ndarray]] = [[] for _ in range(num_devices)]
+    src_lists: list[list[np.ndarray]] = [[] for _ in range(num_devices)]
     for r, group in enumerate(members):
-        slot = n_targets = 0
+        slot = 0
+        base = (r % per_device) * length  # the row's first slot in its device's flattened rows
         for seg, i in enumerate(group, start=1):
             row, (start, end) = int(rows[i]), spans[i]
             n = int(end - start)
@@ -189,11 +203,17 @@ def _layout(members: list[list[int]], length: int, rows, spans, response_mask, w
             resp = np.flatnonzero(response_mask[row, start:end] > 0)
             if resp.size and resp[0] == 0:
                 raise ValueError(f"batch row {row}: a response token has no preceding token to predict it from")
-            k = resp.size
-            target_pos[r, n_targets:n_targets + k] = slot + resp - 1
-            target_src[r, n_targets:n_targets + k] = row * width + start + resp
+            pos_lists[r // per_device].append(base + slot + resp - 1)
+            src_lists[r // per_device].append(row * width + start + resp)
             slot += n
-            n_targets += k
+    counts = [sum(len(x) for x in lst) for lst in pos_lists]
+    k = next(w for w in target_widths(per_device * length) if w >= max(counts))
+    target_pos = np.zeros((num_devices, k), np.int32)
+    target_src = np.full((num_devices, k), -1, np.int64)
+    for d in range(num_devices):
+        if counts[d]:
+            target_pos[d, :counts[d]] = np.concatenate(pos_lists[d])
+            target_src[d, :counts[d]] = np.concatenate(src_lists[d])
     return MicroBatch(token_src, segment_ids, positions, target_pos, target_src, sum(len(g) for g in members))
 
 

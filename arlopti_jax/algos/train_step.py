@@ -140,7 +140,7 @@ def _dense_host(batch: dict[str, Any], keys: Sequence[str]) -> dict[str, np.ndar
 
 class PackedModel:
     """Forward passes of one packed micro-batch (``packing.gather`` arrays on device):
-    per-target log-probs and entropies [R, L]."""
+    per-target log-probs and entropies [D, K] (each device's target list)."""
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, chunk_size: int):
         self.cfg, self.temperature, self.chunk_size = model_cfg, temperature, chunk_size

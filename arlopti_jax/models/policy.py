@@ -95,35 +95,48 @@ def _chunk_logprobs(w: Array, temperature: float, h: Array, targets: Array, entr
     return picked - lse, entropy
 
 
+DIRECT_LOGITS_BYTES = 64 << 20  # a device's target logits up to this size are projected in one piece
+
+
 def target_logprobs(w: Array, hidden: Array, target_pos: Array, target_ids: Array, active: Array,
                     temperature: float = 1.0, chunk_size: int = 256,
                     entropy_grad: bool = True) -> tuple[Array, Array]:
-    """log pi and entropy [B, K] of chosen targets only: target k of row b is token
-    ``target_ids[b, k]`` predicted from ``hidden[b, target_pos[b, k]]``.
+    """log pi and entropy [D, K] of chosen targets only. ``hidden`` [R, S, D_model] holds D
+    devices' rows (R / D each, in order); target k of device d is token ``target_ids[d, k]``
+    predicted from slot ``target_pos[d, k]`` of that device's rows flattened to R / D * S slots.
 
-    Rows list their active targets (``active`` 1) first. The vocabulary projection runs
-    ``chunk_size`` targets at a time under ``jax.checkpoint`` and skips (``lax.cond``) chunks
-    where no row has an active target, forward and backward, so its cost follows the number
-    of targets, not K. ``entropy_grad=False`` computes the entropy as a constant (no
-    gradient path), for losses that only report it. Inactive targets return 0.
+    Devices list their active targets (``active`` 1) first. When a device's float32 target
+    logits fit ``DIRECT_LOGITS_BYTES`` (small vocabularies), the vocabulary projection runs on
+    all K at once and autodiff keeps them. Otherwise it runs ``chunk_size`` x R / D targets at
+    a time (the memory of ``chunk_size`` positions per row) under ``jax.checkpoint`` and skips
+    (``lax.cond``) chunks with no active target, forward and backward. Either way its cost
+    follows the number of targets, not the number of slots. ``entropy_grad=False`` computes
+    the entropy as a constant (no gradient path), for losses that only report it. Inactive
+    targets return 0.
     """
-    b, k = target_pos.shape
-    c = max(1, min(chunk_size, k))
+    d, k = target_pos.shape
+    r, s, dm = hidden.shape
+    h = jnp.take_along_axis(hidden.reshape(d, r // d * s, dm), target_pos[..., None], axis=1)  # [D, K, Dm]
+    keep = active.astype(jnp.float32)
+    body = functools.partial(_chunk_logprobs, w, temperature, entropy_grad=entropy_grad)
+    if k * w.shape[1] * 4 <= DIRECT_LOGITS_BYTES:
+        lp, ent = body(h, target_ids)
+        return lp * keep, ent * keep
+    c = max(1, min(chunk_size * (r // d), k))
     pad = (-k) % c
-    pos, ids, act = (jnp.pad(x, ((0, 0), (0, pad))) for x in (target_pos, target_ids, active.astype(jnp.int32)))
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    ids, act = (jnp.pad(x, ((0, 0), (0, pad))) for x in (target_ids, active.astype(jnp.int32)))
     n = (k + pad) // c
-    h = jnp.take_along_axis(hidden, pos[..., None], axis=1)  # [B, K', D]
-    chunks = lambda x: x.reshape(b, n, c, *x.shape[2:]).swapaxes(0, 1)
-    body = jax.checkpoint(functools.partial(_chunk_logprobs, w, temperature, entropy_grad=entropy_grad))
+    chunks = lambda x: x.reshape(d, n, c, *x.shape[2:]).swapaxes(0, 1)
+    body = jax.checkpoint(body)
 
     def one(xs):
         hc, tc, ac = xs
-        zeros = jnp.zeros((b, c), jnp.float32)
+        zeros = jnp.zeros((d, c), jnp.float32)
         return jax.lax.cond(jnp.any(ac > 0), lambda: body(hc, tc), lambda: (zeros, zeros))
 
     lp, ent = jax.lax.map(one, (chunks(h), chunks(ids), chunks(act)))
-    keep = active.astype(jnp.float32)
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :k] * keep
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(d, n * c)[:, :k] * keep
     return unchunk(lp), unchunk(ent)
 
 
