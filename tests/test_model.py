@@ -202,3 +202,37 @@ def test_attention_impl_is_validated_and_xla_equals_auto_on_cpu(tmp_path):
     auto, _ = token_logprobs(cfg, params, ids, mask)
     xla, _ = token_logprobs(cfg.replace(attention="xla"), params, ids, mask)
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
+
+
+def test_causal_blocks_equal_plain_attention_forward_and_backward():
+    """The CPU attention skips the key blocks above the diagonal: on packed rows (segments
+    and padding) of 200 slots, split into 6 uneven query blocks, its output and gradients equal
+    a plain softmax over all T x T scores (float64 numpy for the output)."""
+    from arlopti_jax.models.decoder import _causal_blocks, segment_mask
+
+    rng = np.random.default_rng(0)
+    b, t, n, kv, h = 2, 200, 4, 2, 8
+    q, k, v = (rng.normal(0, 1, (b, t, heads, h)).astype(np.float32) for heads in (n, kv, kv))
+    seg = np.zeros((b, t), np.int32)
+    seg[0, :70], seg[0, 70:190] = 1, 2  # two sequences, then padding
+    seg[1, :] = 1
+    mask = segment_mask(jnp.asarray(seg))
+
+    def plain(q, k, v):
+        qh = q.transpose(0, 2, 1, 3).reshape(b, kv, n // kv, t, h)
+        s = jnp.einsum("bkgth,bskh->bkgts", qh, k) * 0.3
+        p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -1e30), axis=-1)
+        return jnp.einsum("bkgts,bskh->bkgth", p, v).reshape(b, n, t, h).transpose(0, 2, 1, 3)
+
+    m = np.asarray(mask)[:, 0]  # numpy float64 reference of the output
+    s = np.einsum("btnh,bsnh->bnts", q.astype(np.float64), np.repeat(k, n // kv, axis=2).astype(np.float64)) * 0.3
+    s = np.where(m[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), np.repeat(v, n // kv, axis=2))
+    got = _causal_blocks(*(jnp.asarray(x) for x in (q, k, v)), mask, 0.3)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+    w = rng.normal(0, 1, (b, t, n, h)).astype(np.float32)
+    grads = [jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(*(jnp.asarray(x) for x in (q, k, v)))
+             for f in (lambda *a: _causal_blocks(*a, mask, 0.3), plain)]
+    for g_blocked, g_plain in zip(*grads):
+        np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_plain), atol=2e-5)
