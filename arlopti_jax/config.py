@@ -42,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = True
     c.model.unroll_layers = False  # layers as straight-line code, not a loop (faster on CPU; slower compiles)
     c.model.attention = "auto"  # training/prefill attention: auto (cuDNN's fused kernel on GPUs at 16-bit), xla, cudnn
-    c.model.logprob_chunk = 256  # positions per vocab-projection chunk
+    c.model.logprob_chunk = 256  # targets per packed row in each vocab-projection chunk
 
     c.data = ml_collections.ConfigDict()
     c.data.train_files = ""  # comma-separated files or folders (parquet / jsonl)
@@ -156,7 +156,8 @@ FIELD_DOCS = {
                        "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
     "model.unroll_layers": "layers as straight-line code instead of a scanned loop: faster small models on CPU, "
                            "longer compiles",
-    "model.logprob_chunk": "positions per vocabulary-projection chunk (no [B, T, V] tensor is held)",
+    "model.logprob_chunk": "targets per packed row in each vocabulary-projection chunk (no [B, T, V] tensor is held; "
+                           "up to 64 MiB of target logits per device are projected in one piece)",
     "data.train_files": "comma-separated parquet/jsonl files or folders",
     "data.test_files": "comma-separated parquet/jsonl files or folders; each test file is reported separately",
     "data.prompt_style": "`template`: the prompt text already holds the chat template (public K&K files); "
