@@ -206,15 +206,15 @@ def test_attention_impl_is_validated_and_xla_equals_auto_on_cpu(tmp_path):
 
 def test_causal_blocks_equal_plain_attention_forward_and_backward():
     """The CPU attention skips the key blocks above the diagonal: on packed rows (segments
-    and padding) of 290 slots, split into 3 uneven query blocks, its output and gradients equal
+    and padding) of 800 slots, split into 3 uneven query blocks, its output and gradients equal
     a plain softmax over all T x T scores (float64 numpy for the output)."""
     from arlopti_jax.models.decoder import _causal_blocks, segment_mask
 
     rng = np.random.default_rng(0)
-    b, t, n, kv, h = 2, 290, 4, 2, 8
+    b, t, n, kv, h = 2, 800, 4, 2, 8
     q, k, v = (rng.normal(0, 1, (b, t, heads, h)).astype(np.float32) for heads in (n, kv, kv))
     seg = np.zeros((b, t), np.int32)
-    seg[0, :70], seg[0, 70:250] = 1, 2  # two sequences, then padding
+    seg[0, :70], seg[0, 70:700] = 1, 2  # two sequences, then padding
     seg[1, :] = 1
     mask = segment_mask(jnp.asarray(seg))
 

@@ -117,16 +117,18 @@ def attention(q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str
 
 def _causal_blocks(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
     """``attention`` on CPU: heads ahead of positions (the query heads sharing a key head
-    batched together), queries in blocks of about 96 (at most 8 blocks) that each attend only
-    to the keys up to their last slot, so most scores above the diagonal are never computed.
-    Forward and backward over 8 rows of 192 tokens (2 blocks): 16 ms against 21 ms unblocked;
-    over 2 rows of 640 (6 blocks): 19-24 ms against 47-53 ms (transformers' fused CPU
-    attention: 10-14 and 20-26 ms). More, smaller blocks run faster still but compile slower,
-    and on the short runs of a CPU the compilations cost more than they save (docs/benchmarks.md)."""
+    batched together); rows of 512 slots or more run their queries in blocks of about 256 (at
+    most 8) that each attend only to the keys up to their last slot, so most scores above the
+    diagonal are never computed. Forward and backward over 2 rows of 640 (2 blocks): 47 ms
+    against 53 ms unblocked; 1 row of 1,536 (6 blocks): 118 ms against 236 ms. Smaller blocks
+    run faster still (8 rows of 192 in 6 blocks: 10-13 ms against 16-21 ms; transformers' fused
+    CPU attention 10-14 ms) but every block adds to the compilation: blocks of 96 made the
+    embedded default's update compile 53 s instead of 31 s for 0.2 s less per step, a loss over
+    its 30 steps (docs/benchmarks.md)."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     qh = q.transpose(0, 2, 1, 3).reshape(b, kv, n // kv, t, h)
-    blocks = max(1, min(t // 96, 8))
+    blocks = max(1, min(t // 256, 8))
     edges = [round(t * i / blocks) for i in range(blocks + 1)]
     outs = []
     for lo, hi in zip(edges, edges[1:]):
