@@ -23,8 +23,9 @@ Sequences are taken longest first: the first micro-batches hold the long sequenc
 ones the short sequences. A full micro-batch is [D * (L // S), S]; the last one of a
 mini-batch takes the cheapest shape (rows per device 1 to 8, then 12, 16, 24, 32, ...; any row
 length of the ladder) that holds what is left. The passes compile once per shape used (rows,
-row length and target width: a handful, all three ladders are short), never per step. Padding is what the rows leave unfilled: 8-9%
-of the slots on the embedded default's and ``bench/realistic.py``'s lengths. Everything here is
+row length and target width: a handful, all three ladders are short), never per step. Padding
+is what the rows leave unfilled: 8-9% of the slots on the embedded default's and
+``bench/realistic.py``'s lengths. Everything here is
 a pure function of the lengths, so every process of a multi-process run computes the same plan.
 """
 
