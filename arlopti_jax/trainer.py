@@ -157,7 +157,7 @@ def train(config) -> dict:
                     diagnostics.update(isolation_metrics(config, model_cfg, loss_cfg, mesh, tokens, logprobs_fn,
                                                          params, batch, passes))
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
-        mark = len(train_step.padding)
+        mark = len(train_step.processed)
         with timer("update"):
             params, opt_state, pass_metrics = algos.update_on_batch(
                 train_step, params, opt_state, batch, passes, config.train.mini_batch)
@@ -172,7 +172,7 @@ def train(config) -> dict:
                    **{f"time/{k}": v for k, v in seconds.items()},
                    "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
                    "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
-                   "throughput/update_padding": float(np.mean(train_step.padding[mark:])),
+                   "throughput/update_padding": train_step.processed_since(mark).padding,
                    "train/epoch": iterator.epoch}
         util = mfu(model_cfg.num_params(), trained, seconds["update"])
         if util is not None:

@@ -25,8 +25,9 @@ every row: it runs exactly that (no EOS). Its update and log-prob passes run on 
 Each round runs the earlier commit's code and this checkout's in separate processes (its
 package extracted with ``git archive``), one after the other; the script prints every round and
 the medians per phase, and, per phase, the padding share of the token slots processed and the
-model FLOP per real token (2 x params per processed token forward, 6 x for forward + backward,
-plus attention over the keys each query sees). The new path's compilations after its warm-up
+model FLOP per real token (forward: 2 per body weight per processed slot, 2 per vocabulary
+weight per slot projected onto the vocabulary, plus attention over the keys each query sees;
+3 x that for forward + backward). The new path's compilations after its warm-up
 step are counted: none are allowed beyond its documented buckets (asserted).
 """
 
@@ -190,7 +191,7 @@ def run_worker(args) -> dict:
                                                              batch["response_mask"], batch["old_logprobs"]))
         t["advantages"] = time.perf_counter() - start
         start = time.perf_counter()
-        mark = len(getattr(step_fn, "padding", []))
+        mark = len(getattr(step_fn, "processed", getattr(step_fn, "padding", [])))
         params, opt_state, _ = algos.update_on_batch(step_fn, params, opt_state, batch, passes, args.mini_batch)
         t["update"] = time.perf_counter() - start
         if step == 0:
@@ -200,14 +201,35 @@ def run_worker(args) -> dict:
                 times[ph].append(t[ph])
         real = int(batch["attention_mask"].sum())
         slots = batch["input_ids"].size
+        # slots and vocabulary-projected target slots, per pass: the update's calls summed (or, for
+        # the dense path, every slot of the batch once per Lopti pass), the reference pass's plan
+        if hasattr(step_fn, "processed"):
+            done = step_fn.processed_since(mark)
+            update = dict(padding=done.padding, slots=done.slots, targets=done.target_slots)
+        elif packed:  # a packed commit before the per-call summaries: padding only
+            update = dict(padding=float(np.mean(step_fn.padding[mark:])), slots=None, targets=None)
+        else:
+            update = dict(padding=1 - real / slots, slots=slots * len(passes), targets=slots * len(passes))
+        if packed:
+            from arlopti_jax.algos import packing
+
+            plan = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"],
+                                              np.arange(len(lengths)), tokens_per_device=tokens,
+                                              num_devices=shd.batch_divisor(mesh),
+                                              attention_cost=cfg.attention_cost_per_key())
+            ref = dict(slots=sum(mb.token_src.size for mb in plan), targets=sum(mb.target_src.size for mb in plan))
+        else:
+            ref = dict(slots=slots, targets=slots)
         if step:  # padding over the timed steps
-            pads.append(float(np.mean(step_fn.padding[mark:])) if packed else 1 - real / slots)
+            pads.append(update["padding"])
             decode_slots = getattr(rollout, "decode_row_steps", 0) or len(lengths) * args.gen_len
             rollout_pads.append(1 - int(got.sum()) / decode_slots)
         rows = batch["attention_mask"].sum(1)
         stats = {"real_tokens": real, "dense_slots": slots, "update_padding": float(np.mean(pads or [0.0])),
                  "rollout_padding": float(np.mean(rollout_pads or [0.0])),
-                 "generated": int(got.sum()), "ended_early": early,
+                 "generated": int(got.sum()), "ended_early": early, "passes": len(passes),
+                 "update_slots": update["slots"], "update_target_slots": update["targets"],
+                 "ref_slots": ref["slots"], "ref_target_slots": ref["targets"],
                  "decode_row_steps": getattr(rollout, "decode_row_steps", 0),
                  "decode_attended_keys": getattr(rollout, "decode_attended_keys", 0),
                  "dense_attention_keys": attention_keys([batch["input_ids"].shape[1]] * len(rows)),
@@ -230,21 +252,28 @@ def spawn(args, label: str, pythonpath: str) -> dict:
 
 
 def flop_per_real_token(rec: dict, args) -> dict[str, float]:
-    """Model FLOP per real (prompt + response) token, per phase, from the slots each path processed."""
+    """Model FLOP per real (prompt + response) token, per phase, from what each path processed:
+    2 per body weight per token slot and 2 per vocabulary-projection weight per projected target
+    slot (forward; x 3 with the backward), plus attention over the keys each query sees. The
+    update's slots and targets are summed over its calls (both Lopti passes); a record without
+    them (an older packed commit) gets None for the update and the reference pass."""
     s, n = rec["stats"], rec["num_params"]
     d = model_dims(args)
     L, heads, hd = d["layers"], d["heads"], d["hidden"] // d["heads"]
+    vocab = d["vocab"] * d["hidden"]
+    body = n - vocab * (1 if d["tied"] else 2)  # the embedding lookup does no arithmetic
     attn = 4 * L * heads * hd  # FLOP per (query, key) pair, forward
-    packed = rec["packed"]
-    slots = s["real_tokens"] / (1 - s["update_padding"]) if packed else s["dense_slots"]
-    keys = s["real_attention_keys"] if packed else s["dense_attention_keys"]
-    fwd = 2 * n * slots + attn * keys
+    keys = s["real_attention_keys"] if rec["packed"] else s["dense_attention_keys"]
+    real = s["real_tokens"]
     decode_slots = s.get("decode_row_steps") or (args.prompts * args.n) * args.gen_len
     decode_keys = s.get("decode_attended_keys") or (args.prompts * args.n) * sum(
         args.prompt_len + t for t in range(args.gen_len))
-    real = s["real_tokens"]
-    return {"rollout": (2 * n * decode_slots + attn * decode_keys) / real, "ref_logprobs": fwd / real,
-            "update": 2 * 3 * fwd / real}  # two Lopti passes, forward + backward
+    out = {"rollout": (2 * (body + vocab) * decode_slots + attn * decode_keys) / real}
+    if s.get("update_slots") is not None:
+        out["ref_logprobs"] = (2 * body * s["ref_slots"] + 2 * vocab * s["ref_target_slots"] + attn * keys) / real
+        out["update"] = 3 * (2 * body * s["update_slots"] + 2 * vocab * s["update_target_slots"]
+                             + s["passes"] * attn * keys) / real
+    return out
 
 
 def main(argv=None) -> int:

@@ -134,6 +134,12 @@ def test_accumulation_over_packed_micro_batches_equals_one_batch():
     assert len(plan) >= 6 and len({mb.target_count for mb in plan}) > 2  # many, uneven micro-batches
     one, m1 = sgd_delta(SINGLE, 256)
     acc, m_many = sgd_delta(SINGLE, 16)
+    # what the step reports it packed: the batch's real tokens, in the plan's slots and target lists
+    stepped = step_for(SINGLE, 16, "sgd")[0]  # sgd_delta's step (the cache keys on the arguments as given)
+    done = stepped.processed_since(len(stepped.processed) - 1)
+    assert done.real_tokens == int(batch["attention_mask"].sum())
+    assert done.slots == sum(r * s for r, s in (mb.token_src.shape for mb in plan))
+    assert int(batch["response_mask"].sum()) <= done.target_slots == sum(mb.target_src.size for mb in plan)
     assert len(step_for(SINGLE, 256)[0].plan(batch, np.arange(ROWS))) == 1
     assert max_diff(one, acc) < 1e-6
     assert max_diff(one, naive_pg_grad(params_on(), batch)) < 1e-6

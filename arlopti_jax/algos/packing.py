@@ -243,5 +243,25 @@ def scatter_targets(micro_batches: list[MicroBatch], values: list[np.ndarray], s
 
 def padding_fraction(micro_batches: list[MicroBatch]) -> float:
     """Share of the processed token slots that hold no real token."""
-    slots = sum(mb.token_src.size for mb in micro_batches)
-    return 1.0 - sum(mb.real_tokens for mb in micro_batches) / max(slots, 1)
+    return summary(micro_batches).padding
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What a plan processes: token slots, real tokens among them, and target slots (the
+    positions projected onto the vocabulary, used or not)."""
+
+    slots: int = 0
+    real_tokens: int = 0
+    target_slots: int = 0
+
+    @property
+    def padding(self) -> float:
+        return 1.0 - self.real_tokens / max(self.slots, 1)
+
+    def __add__(self, other: "Summary") -> "Summary":
+        return Summary(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+def summary(micro_batches: list[MicroBatch]) -> Summary:
+    return sum((Summary(mb.token_src.size, mb.real_tokens, mb.target_src.size) for mb in micro_batches), Summary())

@@ -184,7 +184,7 @@ class TrainStep:
         self.keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
         self.row_sharding = shd.batch_sharding(mesh, 2)
         self.model = PackedModel(model_cfg, loss_cfg.temperature, chunk_size)
-        self.padding = []  # padding fraction of each step's packed slots (the benchmarks read it)
+        self.processed: list[packing.Summary] = []  # what each call packed (trainer.py and the benchmarks read it)
         use_kl, entropy_grad = loss_cfg.use_kl, loss_cfg.entropy_coef != 0
         names = _stat_names(use_kl)
         p_sh = param_shardings(model_cfg, mesh, rules)
@@ -236,7 +236,7 @@ class TrainStep:
         targets = {k: batch[k] for k in TARGET_KEYS[:-1] + (("ref_logprobs",) if self.loss_cfg.use_kl else ())}
         targets.update(agg_weight=weight, target_ids=batch["input_ids"])
         n_tok = np.float32(max(float(batch["response_mask"][rows].sum()), 1.0))
-        self.padding.append(packing.padding_fraction(micro_batches))
+        self.processed.append(packing.summary(micro_batches))
         with shd.activate(self.mesh, self.rules):
             acc = self._zeros(params)
             for mb in micro_batches:
@@ -262,6 +262,10 @@ class TrainStep:
         batch = _dense_host(batch, self.keys)
         rows = np.arange(batch["input_ids"].shape[0])
         return self.run(params, opt_state, batch, rows, self.plan(batch, rows))
+
+    def processed_since(self, mark: int) -> packing.Summary:
+        """What the calls after the first ``mark`` packed, summed: ``len(self.processed)`` marks now."""
+        return sum(self.processed[mark:], packing.Summary())
 
     def num_compilations(self) -> int:
         """How many programs this step has compiled (one per packed row length, plus one)."""
