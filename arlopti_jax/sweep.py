@@ -1,0 +1,321 @@
+"""The sweep behind ``python -m arlopti_jax.reproduce``: its variants and scales, one run's
+config, and ``Sweep``, which runs the runs (in this process, or in ``--jobs`` worker processes
+that claim runs one by one), records them in ``OUT/results.json`` and resumes a stopped sweep.
+The report (tables and figures) is ``sweep_report.py``'s."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {  # name: (label, weighting, ar alpha, lopti eta)
+    "grpo": ("GRPO", "none", 0.0, 0.0),
+    "grpo_ar": ("GRPO + AR", "ar", 0.2, 0.0),
+    "grpo_lopti": ("GRPO + Lopti", "none", 0.0, 0.4),
+    "grpo_ar_lopti": ("GRPO + AR + Lopti", "ar", 0.3, 0.5),
+    "tr_grpo": ("TR-GRPO", "tr", 0.0, 0.0),
+}
+# Per start point scale: RL steps per run (None: the default config's) and the default config's
+# fields that change; the compute dtype is the start point's (start_point.SCALES). gpu: 5-person
+# prompts are at most 178 tokens and the longest SFT target (a 5-person answer block) 43 tokens
+# + EOS with start_point's tokenizer (over the 48k SFT and 300 test rows); 16 prompts x 8
+# responses per step, 2 optimizer steps of 64 (4 with Lopti); a lower learning rate for the 30x
+# larger model; layers as a loop and the dense sampler (one decode program per batch shape
+# instead of one per phase and row count: on CPU with these settings, 3 decode programs instead
+# of 12 decode and 6 resize programs, and a first step and evaluation compiled in 24 s less),
+# since compiles, not the few sampled tokens, are what a short sweep on an accelerator spends
+# its time on.
+SCALE_RUNS = {
+    "cpu": dict(steps=None, config={}),
+    "gpu": dict(steps=60, config={
+        "model.unroll_layers": False, "rollout.length_aware": False, "data.max_prompt_length": 256,
+        "rollout.max_response_length": 64, "train.batch_prompts": 16, "train.mini_batch": 64,
+        "train.micro_batch": 64, "optim.lr": 2e-4, "optim.warmup_steps": 8, "train.eval_every": 20,
+        "train.save_every": 20, "train.keep_checkpoints": 2, "train.samples_every": 20}),
+}
+# --quick: a tiny start point at any scale (the cpu scale's model, float32, few rows and SFT steps)
+QUICK = dict(steps=1, seeds="0", eval_prompts=8, sizes=dict(
+    sft_rows_per_size=64, sft_steps=8, train_rows_per_size=64, test_rows_per_size=8, hidden_size=128,
+    intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, dtype="float32"))
+
+
+def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, steps: int, eval_prompts: int,
+               diagnostics_every: int, eval_before: bool, scale: str = "cpu", dtype: str = "float32"):
+    """The default config with the scale's changes, one variant's method, a seed, the shared start
+    point (computing in ``dtype``, as its warm start did) and the budget."""
+    _, weighting, alpha, eta = VARIANTS[variant]
+    c = base.copy_and_resolve_references()
+    for field, value in SCALE_RUNS[scale]["config"].items():
+        section, name = field.split(".")
+        c[section][name] = value
+    c.model.dtype = dtype
+    c.run_dir = str(run_dir)
+    c.seed = seed
+    c.data.shuffle_seed = seed
+    c.model.path = str(start_point / "model")
+    c.data.train_files = str(start_point / "data" / "train.parquet")
+    c.data.test_files = ",".join(str(p) for p in sorted((start_point / "data").glob("test_*.parquet")))
+    c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta
+    c.train.max_steps = steps
+    c.train.eval_every = max(1, min(c.train.eval_every, steps))
+    c.train.save_every = max(1, min(c.train.save_every, steps))
+    c.train.export_at_end = False
+    c.train.eval_before = eval_before
+    from arlopti_jax.run_setup import optimizer_steps_per_rl_step
+
+    total = steps * optimizer_steps_per_rl_step(c)  # a short budget (--quick) keeps a warm-up shorter than it
+    c.optim.warmup_steps = min(c.optim.warmup_steps, total // 2)
+    if eval_prompts > 0:
+        c.train.eval_max_prompts = eval_prompts
+    if diagnostics_every and "diagnostics_every" in c.train:
+        c.train.diagnostics_every = diagnostics_every
+    return c
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_names(variants: list[str], seeds: list[int]) -> list[str]:
+    return [f"{v}/seed{s}" for v in variants for s in seeds]
+
+
+def claim(out: Path, name: str, worker: int) -> bool:
+    """Take ``name`` (a run, or the start point's evaluation) for ``worker``; False if another
+    worker of this invocation took it first."""
+    path = out / "workers" / "claims" / name.replace("/", ".")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(worker).encode())
+    os.close(fd)
+    return True
+
+
+def worker_records(out: Path, worker: int) -> Path:
+    return out / "workers" / f"worker{worker}.json"
+
+
+def model_params(start_point: Path) -> int:
+    from arlopti_jax.models import ModelConfig
+
+    return ModelConfig.from_pretrained(start_point / "model").num_params()
+
+
+class Sweep:
+    """Runs, records and resumes the sweep in ``out``. As worker ``worker`` of a --jobs sweep it runs
+    the runs it claims, reads ``out/results.json`` but writes only its own records file."""
+
+    def __init__(self, out: Path, variants: list[str], seeds: list[int], steps: int, eval_prompts: int,
+                 sizes: dict | None, diagnostics_every: int, scale: str = "cpu", worker: int | None = None):
+        self.out, self.variants, self.seeds, self.steps = out, variants, seeds, steps
+        self.eval_prompts, self.sizes, self.diagnostics_every = eval_prompts, sizes, diagnostics_every
+        self.scale, self.worker = scale, worker
+        self.results_path = out / "results.json"
+        self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {"runs": {}}
+        if self.results["runs"] and self.results.get("scale", "cpu") != scale:
+            raise SystemExit(f"{self.results_path} holds runs of scale {self.results.get('scale', 'cpu')!r}, "
+                             f"not {scale!r}: use another output folder")
+        self.results.update(steps=steps, variants=variants, seeds=seeds, eval_prompts=eval_prompts,
+                            diagnostics_every=diagnostics_every, scale=scale)
+        self.problems: list[str] = []  # of a --jobs sweep: a stop or failed workers, after the report
+        # what this process writes: the whole results, or (a worker) its own records
+        self.written = self.results if worker is None else {"runs": {}}
+        if worker is not None:
+            self.results_path = worker_records(out, worker)
+
+    def save(self) -> None:
+        tmp = self.results_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.written, indent=1))
+        tmp.replace(self.results_path)
+
+    def start_point(self) -> Path:
+        from arlopti_jax.start_point import ensure_start_point
+
+        t0 = time.time()
+        folder = ensure_start_point(self.out / "start_point", seed=0, sizes=self.sizes, scale=self.scale)
+        self.results.setdefault("start_point_s", time.time() - t0)
+        return folder
+
+    def run(self) -> dict:
+        from tqdm.auto import tqdm
+
+        from arlopti_jax.config import validate
+        from arlopti_jax.default_config import get_config
+        from arlopti_jax.start_point import scale_sizes
+        from arlopti_jax.trainer import train
+
+        started = time.time()
+        self.out.mkdir(parents=True, exist_ok=True)
+        import jax
+
+        if not jax.config.jax_compilation_cache_dir:  # runs 2..N reuse the first run's compiled programs
+            jax.config.update("jax_compilation_cache_dir", str(self.out / "jax_cache"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        start_point = self.start_point()
+        self.results["model_params"] = model_params(start_point)
+        dtype = scale_sizes(self.scale, self.sizes)["dtype"]
+        base = get_config()
+        todo = run_names(self.variants, self.seeds)
+        if self.worker is not None:  # every variant's seed 0 first: a stopped --jobs sweep leaves whole seeds
+            todo = sorted(todo, key=lambda name: int(name.split("/seed")[1]))  # stable: variants in order
+        bar = tqdm(total=len(todo) * self.steps, desc="sweep", unit="step", position=0)
+        for name in todo:
+            variant, seed = name.split("/")[0], int(name.split("/seed")[1])
+            record = self.results["runs"].get(name)
+            if record and record.get("finished"):
+                bar.update(self.steps)
+                continue
+            if self.worker is not None and not claim(self.out, name, self.worker):
+                continue
+            bar.set_postfix_str(name)
+            run_dir = self.out / "runs" / variant / f"seed{seed}"
+            # the start point is evaluated once (in a --jobs sweep, by the worker that claims it)
+            eval_before = "start_eval" not in self.results and (
+                self.worker is None or claim(self.out, "start_eval", self.worker))
+            config = run_config(base, variant, seed, run_dir, start_point, self.steps, self.eval_prompts,
+                                self.diagnostics_every, eval_before, self.scale, dtype)
+            validate(config)
+            t = time.time()
+            summary = train(config)
+            metrics = read_jsonl(run_dir / "metrics.jsonl")
+            evals = read_jsonl(run_dir / "eval.jsonl")
+            if evals and evals[0]["step"] == 0:
+                self.results["start_eval"] = self.written["start_eval"] = evals[0]
+            self.results["runs"][name] = self.written["runs"][name] = {
+                "variant": variant, "seed": seed, "finished": not summary["preempted"],
+                "seconds": time.time() - t + (record or {}).get("seconds", 0.0),
+                "evals": [e for e in evals if e["step"] > 0],
+                "rewards": [m["reward/mean"] for m in metrics if "reward/mean" in m],
+                "quartile_grad_norms": [[m["step"]] + [m[f"quartile/q{i}_grad_norm"] for i in range(1, 5)]
+                                        for m in metrics if "quartile/q1_grad_norm" in m],
+                "isolation": next(([[m[f"isolation/{c}_q{i}"] for i in range(1, 5)] for c in ("low", "high")]
+                                   for m in metrics if "isolation/low_q1" in m), None),
+            }
+            self.save()
+            if summary["preempted"]:
+                raise SystemExit(f"{name} was stopped; run the same command again to resume")
+            bar.update(self.steps)
+        bar.close()
+        if self.worker is None:
+            self.results["sweep_s"] = self.results.get("sweep_s", 0.0) + time.time() - started
+        self.save()
+        return self.results
+
+    def run_jobs(self, jobs: int, worker_args: list[str]) -> dict:
+        """The sweep in ``jobs`` worker processes (``python -m arlopti_jax.reproduce WORKER_ARGS
+        --worker K``); this process builds nothing on a device, polls the runs' metrics for the one
+        progress bar, and merges the workers' records into results.json. SIGTERM or SIGINT stops the
+        workers as the trainer stops (a checkpoint, then exit); failed workers and a stop are left
+        in ``self.problems`` for after the report of the finished runs."""
+        from tqdm.auto import tqdm
+
+        from arlopti_jax.start_point import check_start_point
+
+        started = time.time()
+        command = [sys.executable, "-m", "arlopti_jax.reproduce", *worker_args]
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        self.merge_workers()  # records of an interrupted --jobs sweep
+        folder = self.out / "start_point"
+        if not check_start_point(folder, self.scale, 0, self.sizes):  # built by one process, on the whole device
+            t0 = time.time()
+            proc = subprocess.run(command + ["--start-point-only"])
+            if proc.returncode != 0:
+                raise SystemExit(f"building the start point in {folder} failed (exit code {proc.returncode}); "
+                                 "its output is above")
+            self.results.setdefault("start_point_s", time.time() - t0)
+        self.results["model_params"] = model_params(folder)
+        shutil.rmtree(self.out / "workers" / "claims", ignore_errors=True)
+        (self.out / "workers" / "claims").mkdir(parents=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / jobs:.3f}")  # GPUs only; CPU ignores it
+        todo = run_names(self.variants, self.seeds)
+        workers, stopped = [], []
+
+        def stop(signum, frame):  # stop the workers as the trainer stops (checkpoint, then exit), then report
+            stopped.append(signal.Signals(signum).name)
+            for sig, handler in previous.items():  # a second signal stops at once
+                signal.signal(sig, handler)
+            for _, _, p in workers:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for k in range(jobs):
+                log_path = self.out / "logs" / f"worker{k}.log"
+                with open(log_path, "w") as log_file:
+                    workers.append((k, log_path, subprocess.Popen(command + ["--worker", str(k)], env=env,
+                                                                  stdout=log_file, stderr=subprocess.STDOUT)))
+            bar = tqdm(total=len(todo) * self.steps, desc=f"sweep ({jobs} jobs)", unit="step")
+            while True:
+                running = [p for _, _, p in workers if p.poll() is None]
+                done = sum(self.steps_done(name) for name in todo)
+                if done != bar.n:
+                    bar.update(done - bar.n)
+                if not running:
+                    break
+                time.sleep(2.0)
+            bar.close()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for _, _, p in workers:  # this process stopped early: stop the workers too
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait()
+        self.merge_workers()
+        self.results["runs"] = {**{n: self.results["runs"][n] for n in todo if n in self.results["runs"]},
+                                **self.results["runs"]}  # in the sweep's order
+        self.results["sweep_s"] = self.results.get("sweep_s", 0.0) + time.time() - started
+        self.save()
+        finished = sum(bool(self.results["runs"].get(n, {}).get("finished")) for n in todo)
+        if stopped:
+            self.problems.append(f"stopped by {stopped[0]}: {finished} of {len(todo)} runs finished")
+        else:
+            claims = self.out / "workers" / "claims"
+            for k, log_path, p in workers:
+                if p.returncode != 0:
+                    had = sorted(c.name.replace(".seed", "/seed") for c in claims.iterdir()
+                                 if c.read_text() == str(k) and c.name != "start_eval")
+                    self.problems.append(f"worker {k} failed (exit code {p.returncode}) with runs {had}: "
+                                         f"see {log_path}")
+        return self.results
+
+    def steps_done(self, name: str) -> int:
+        """RL steps a run has done: all if recorded finished, else the last step of its metrics."""
+        record = self.results["runs"].get(name)
+        if record and record.get("finished"):
+            return self.steps
+        variant, seed = name.split("/")
+        path = self.out / "runs" / variant / seed / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        for line in reversed(lines):
+            try:
+                return min(self.steps, int(json.loads(line)["step"]))
+            except (ValueError, KeyError):  # a line being written
+                continue
+        return 0
+
+    def merge_workers(self) -> None:
+        """Move the workers' records into results.json (a finished record is never replaced)."""
+        parts = sorted((self.out / "workers").glob("worker*.json"))
+        for path in parts:
+            part = json.loads(path.read_text())
+            for name, record in part["runs"].items():
+                if not self.results["runs"].get(name, {}).get("finished"):
+                    self.results["runs"][name] = record
+            if "start_eval" in part:
+                self.results.setdefault("start_eval", part["start_eval"])
+        self.save()
+        for path in parts:
+            path.unlink()
