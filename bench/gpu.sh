@@ -4,6 +4,8 @@
 #   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
 #   bash bench/gpu.sh decode      # sampler tokens/s and HBM roofline fraction; train-step MFU; cuDNN probe
 #   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
+#   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
+#   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/reproduction.md), 5 runs at once
 #
 # Every benchmark's output is also written to $OUT/<name>.log (or ./gpu_logs/ when OUT is unset);
 # ONLY="name ..." runs just the named benchmarks of a group; each runs under its own time limit so that one slow benchmark cannot take the others with it.
@@ -56,5 +58,14 @@ case "${1:-}" in
     run realistic_0.5b 260 bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 0.5b \
       --dtype bfloat16 --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|decode|rlstep}" >&2; exit 2 ;;
+  big)
+    setup
+    run realistic_1.5b 560 bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 1.5b \
+      --dtype bfloat16 --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8
+    ;;
+  repro)
+    setup
+    run reproduce_gpu 560 -m arlopti_jax.reproduce --scale gpu --jobs 5 --out "$LOGS/reproduce"
+    ;;
+  *) echo "usage: bash bench/gpu.sh {setup|decode|rlstep|big|repro}" >&2; exit 2 ;;
 esac
