@@ -49,9 +49,10 @@ def simulate(name, attention, response, mini_batch: int, budget: int, attention_
         plans = [mb for s in range(0, len(order), mini_batch) for mb in packing.plan_micro_batches(
             attention, response, order[s:s + mini_batch], tokens_per_device=budget, num_devices=1,
             attention_cost=attention_cost)]
-        pads.append(packing.padding_fraction(plans))
+        done = packing.summary(plans)
+        pads.append(done.padding)
         shapes.update(mb.token_src.shape + mb.target_pos.shape[1:] for mb in plans)
-        listed += sum(mb.target_src.size for mb in plans)
+        listed += done.target_slots
         needed += sum(mb.target_count for mb in plans)
     pads = np.asarray(pads)
     print(f"| {name} | {pads.mean():.1%} | {np.quantile(pads, 0.9):.1%} | {pads.max():.1%} | {len(shapes)} | {listed / needed:.2f} |")

@@ -210,7 +210,7 @@ def run_worker(args) -> dict:
             update = dict(padding=float(np.mean(step_fn.padding[mark:])), slots=None, targets=None)
         else:
             update = dict(padding=1 - real / slots, slots=slots * len(passes), targets=slots * len(passes))
-        if packed:
+        if packed:  # the plan's arrays directly (packing.summary is newer than some --before commits)
             from arlopti_jax.algos import packing
 
             plan = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"],

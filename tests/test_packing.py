@@ -84,7 +84,7 @@ def test_plan_covers_every_token_and_target_once():
             assert used[:used.sum()].all()  # active targets first
         most = int(arrays["target_mask"].sum(axis=1).max())  # the shortest width that holds every device's
         assert mb.target_pos.shape[1] == min(w for w in packing.target_widths(per_device * mb.row_length) if w >= most)
-    assert packing.padding_fraction(plan) < 0.25
+    assert packing.summary(plan).padding < 0.25
 
 
 def test_row_length_weighs_padding_against_attention():
@@ -100,9 +100,9 @@ def test_row_length_weighs_padding_against_attention():
     plan = lambda cost: packing.plan_micro_batches(attn, resp, np.arange(40), tokens_per_device=1024,
                                                    num_devices=1, attention_cost=cost)
     free = plan(0.0)  # attention free: the row length that wastes least
-    assert free[0].row_length >= 320 and packing.padding_fraction(free) < 0.05
+    assert free[0].row_length >= 320 and packing.summary(free).padding < 0.05
     dear = plan(1.0)  # attention dearer than everything else: one sequence per shortest row
-    assert {mb.row_length for mb in dear} == {192} and packing.padding_fraction(dear) > 0.15
+    assert {mb.row_length for mb in dear} == {192} and packing.summary(dear).padding > 0.15
     for p in (free, dear):
         assert sorted(np.concatenate([mb.token_src[mb.token_src >= 0] for mb in p])) == \
             sorted(np.flatnonzero(attn.reshape(-1)))

@@ -241,11 +241,6 @@ def scatter_targets(micro_batches: list[MicroBatch], values: list[np.ndarray], s
     return out.reshape(shape)
 
 
-def padding_fraction(micro_batches: list[MicroBatch]) -> float:
-    """Share of the processed token slots that hold no real token."""
-    return summary(micro_batches).padding
-
-
 @dataclasses.dataclass(frozen=True)
 class Summary:
     """What a plan processes: token slots, real tokens among them, and target slots (the
@@ -257,6 +252,7 @@ class Summary:
 
     @property
     def padding(self) -> float:
+        """Share of the processed token slots that hold no real token."""
         return 1.0 - self.real_tokens / max(self.slots, 1)
 
     def __add__(self, other: "Summary") -> "Summary":
