@@ -1,6 +1,6 @@
 """The tiny-shape comparison with transformers, interleaved in one run (CPU).
 
-    python bench/tiny_vs_hf.py [--rounds 3] [--skip-rollout]
+    python bench/tiny_vs_hf.py [--rounds 3] [--skip-rollout] [--floor]
 
 One tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV heads, ffn 1024, tied
 embeddings), the same weights on both sides (ours exported with ``save_pretrained`` and
@@ -15,6 +15,12 @@ Each round times ours then transformers on both workloads (after a warm-up call 
 the script prints each round and the medians, tokens/s and ours / transformers. Tokens are
 all the tokens through the model (train) or generated tokens (rollout). It also reports our
 compile times and asserts that nothing recompiles after the warm-up.
+
+--floor also times, in the same rounds, the matrix products alone of our train step (every
+GEMM of its forward and backward at its shapes, nothing else: no attention mask or softmax,
+no normalisation, activation or optimizer), once in torch (MKL) and once in XLA. That is a
+lower bound on the time of any implementation doing our step's arithmetic on this machine; the
+script prints transformers' step over it, the most ours / transformers could reach here.
 """
 
 from __future__ import annotations
@@ -118,6 +124,68 @@ class Transformers:
                                        pad_token_id=0)
 
 
+def step_gemms() -> list[tuple[int, int, int, int]]:
+    """(batch, m, k, n) of every matrix product of our tiny train step (forward and backward, all
+    micro-batches): y = x @ W needs dx = dy @ W^T and dW = x^T @ dy; attention per (row, head)."""
+    n, d, f, v = MICRO * (PROMPT + RESPONSE), DIMS["hidden"], DIMS["intermediate"], DIMS["vocab"]
+    hd = d // DIMS["heads"]
+    dense = [(d, d), (d, hd * DIMS["kv_heads"]), (d, hd * DIMS["kv_heads"]), (d, d), (d, f), (d, f), (f, d)]
+    targets, rows, t = MICRO * RESPONSE, MICRO * DIMS["heads"], PROMPT + RESPONSE
+    per_layer = [g for (i, o) in dense for g in ((1, n, i, o), (1, n, o, i), (1, i, n, o))]
+    per_layer += [(rows, t, hd, t)] * 2 + [(rows, t, t, hd)] * 4  # scores, dP; P @ V, dV, dQ, dK
+    head = [(1, targets, d, v), (1, targets, v, d), (1, v, targets, d)]
+    return (per_layer * DIMS["layers"] + head) * (ROWS // MICRO)
+
+
+class GemmFloor:
+    """The step's matrix products alone (``step_gemms``), in torch or in XLA."""
+
+    def __init__(self, side: str):
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        self.shapes = shapes = sorted(set(step_gemms()))
+        self.counts = [step_gemms().count(s) for s in shapes]
+        arrays = [(rng.standard_normal((b, m, k), np.float32), rng.standard_normal((b, k, n), np.float32))
+                  for b, m, k, n in shapes]
+        self.flop = sum(2 * b * m * k * n * c for (b, m, k, n), c in zip(shapes, self.counts))
+        if side == "torch":
+            import torch
+
+            self.arrays = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in arrays]
+            self.run, self._product = self._torch, lambda i: torch.bmm(*self.arrays[i])
+        else:
+            import jax
+            import jax.numpy as jnp
+
+            self.arrays = [(jnp.asarray(a), jnp.asarray(b)) for a, b in arrays]
+            self.matmul = jax.jit(jnp.matmul)
+            self.run, self._product = self._xla, lambda i: jax.block_until_ready(self.matmul(*self.arrays[i]))
+
+    def by_shape(self, reps: int = 7) -> list[float]:
+        """Median seconds of one call of each shape (the order of ``self.shapes``)."""
+        out = []
+        for i in range(len(self.shapes)):
+            one = [timed(self._product, i) for _ in range(reps)]
+            out.append(statistics.median(one))
+        return out
+
+    def _torch(self):
+        import torch
+
+        with torch.no_grad():
+            for (a, b), c in zip(self.arrays, self.counts):
+                for _ in range(c):
+                    torch.bmm(a, b)
+
+    def _xla(self):
+        import jax
+
+        for (a, b), c in zip(self.arrays, self.counts):
+            for _ in range(c):
+                jax.block_until_ready(self.matmul(a, b))
+
+
 def timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
@@ -128,6 +196,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-rollout", action="store_true")
+    ap.add_argument("--floor", action="store_true", help="also time the step's matrix products alone (see above)")
     args = ap.parse_args(argv)
 
     import jax
@@ -146,6 +215,9 @@ def main(argv=None) -> int:
     cfg = model_config(DIMS).replace(eos_token_id=2, bos_token_id=1)
     save_pretrained(cfg, init_params(cfg, jax.random.key(0), shd.make_mesh({"fsdp": -1})), folder)
     ours, hf = Ours(folder), Transformers(folder)
+    floors = {side: GemmFloor(side) for side in ("torch", "xla")} if args.floor else {}
+    for floor in floors.values():
+        floor.run()  # warm-up (XLA compiles one program per shape)
     batch = train_workload()
     prompts = np.random.default_rng(1).integers(3, DIMS["vocab"], (ROWS, PROMPT)).tolist()
     workloads = {"train step": ("train", batch, ROWS * (PROMPT + RESPONSE))}
@@ -167,12 +239,32 @@ def main(argv=None) -> int:
                 times[name][side].append(timed(getattr(impl, method), data))
             o, t = times[name]["ours"][-1], times[name]["transformers"][-1]
             print(f"round {r + 1} {name}: ours {o:.3f}s, transformers {t:.3f}s, ratio {t / o:.2f}")
+            if name == "train step" and floors:
+                for side, floor in floors.items():
+                    times.setdefault(f"gemms {side}", []).append(timed(floor.run))
+                print("  the step's matrix products alone: " + ", ".join(
+                    f"{side} {times[f'gemms {side}'][-1]:.3f}s" for side in floors))
     assert compiles.count == warm, f"{compiles.count - warm} compilations after the warm-up"
     print("\nmedians (one interleaved run):")
     print(f"| workload | transformers tok/s | ours tok/s | ours / transformers |\n|---|---|---|---|")
     for name, (_, _, tokens) in workloads.items():
         o, t = (statistics.median(times[name][s]) for s in ("ours", "transformers"))
         print(f"| {name} | {tokens / t:,.0f} | {tokens / o:,.0f} | {t / o:.2f}x |")
+    if floors:
+        hf_step = statistics.median(times["train step"]["transformers"])
+        flop = floors["torch"].flop
+        print(f"\nthe train step's matrix products alone, {flop / 1e9:.1f} GFLOP (medians):")
+        for side in floors:
+            g = statistics.median(times[f"gemms {side}"])
+            print(f"  {side}: {g:.3f}s ({flop / g / 1e9:.0f} GFLOP/s); transformers' step / this = {hf_step / g:.2f}x")
+        print("\nby shape, one call each, medians of 7 (GFLOP/s, and seconds per step at the step's count):")
+        print("| (batch, m, k, n) | per step | torch GFLOP/s | XLA GFLOP/s | torch s/step | XLA s/step |")
+        print("|---|---|---|---|---|---|")
+        per = {side: floor.by_shape() for side, floor in floors.items()}
+        for i, (b, m, k, n) in enumerate(floors["torch"].shapes):
+            c, f = floors["torch"].counts[i], 2 * b * m * k * n
+            t, x = per["torch"][i], per["xla"][i]
+            print(f"| {(b, m, k, n)} | {c} | {f / t / 1e9:.0f} | {f / x / 1e9:.0f} | {c * t:.3f} | {c * x:.3f} |")
     return 0
 
 
