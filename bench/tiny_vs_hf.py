@@ -144,8 +144,9 @@ class GemmFloor:
         import numpy as np
 
         rng = np.random.default_rng(0)
-        self.shapes = shapes = sorted(set(step_gemms()))
-        self.counts = [step_gemms().count(s) for s in shapes]
+        gemms = step_gemms()
+        self.shapes = shapes = sorted(set(gemms))
+        self.counts = [gemms.count(s) for s in shapes]
         arrays = [(rng.standard_normal((b, m, k), np.float32), rng.standard_normal((b, k, n), np.float32))
                   for b, m, k, n in shapes]
         self.flop = sum(2 * b * m * k * n * c for (b, m, k, n), c in zip(shapes, self.counts))
