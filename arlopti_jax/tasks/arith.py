@@ -1,0 +1,141 @@
+"""One-step arithmetic word problems with boxed answers, graded by the math reward.
+
+    python -m arlopti_jax.tasks.arith --out data/arith                 # train.parquet, test.parquet
+    python -m arlopti_jax.tasks.arith --out data/arith --ops add,sub --max-operand 20
+
+A task a small pretrained instruct model can start on (SmolLM2-135M-Instruct answers about
+six in ten of the default problems greedily and fewer when sampling; docs/real_model.md), so
+that RL has groups with both right and wrong answers. Each prompt is a chat: a one-line
+system message, one worked example (user question, assistant answer ending in
+``\\boxed{7}``), then the question. Rows use the public math files' schema (``prompt`` as
+chat messages, ``reward_model.ground_truth`` the answer as a string) with data source
+``arith``, which the built-in router grades with the math reward (1 for the right boxed
+answer, else 0).
+
+Held out by operands: the unordered operand pairs are split once (seeded), so no test
+question's numbers, in either order, appear in any training question; the test set measures
+whether what RL taught carries to sums it never rewarded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DATA_SOURCE = "arith"
+OPS = ("add", "sub")
+SYSTEM = "You are a helpful assistant."
+EXAMPLE = ("Sara has 3 pens and gets 4 more. How many pens does Sara have now?",
+           "3 + 4 = 7. The answer is \\boxed{7}.")
+NAMES = ("Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Max", "Emma", "Leo", "Zoe")
+ITEMS = ("apples", "pens", "books", "cards", "coins", "stickers", "shells", "marbles")
+QUESTIONS = {
+    "add": ("{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+            "{name} had {a} {item}. A friend gave {name} {b} more {item}. How many {item} does {name} have?"),
+    "sub": ("{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?",
+            "{name} had {a} {item} and lost {b} of them. How many {item} does {name} have now?"),
+}
+
+_STR = pa.string()
+SCHEMA = pa.schema([
+    ("data_source", _STR),
+    ("prompt", pa.list_(pa.struct([("content", _STR), ("role", _STR)]))),
+    ("ability", _STR),
+    ("reward_model", pa.struct([("ground_truth", _STR), ("style", _STR)])),
+    ("extra_info", pa.struct([("index", pa.int64()), ("split", _STR), ("question", _STR)])),
+])  # fmt: skip
+
+
+def messages(question: str) -> list[dict[str, str]]:
+    """The ``prompt`` column of one question: system line, the worked example, the question."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": EXAMPLE[0]},
+            {"role": "assistant", "content": EXAMPLE[1]}, {"role": "user", "content": question}]
+
+
+def split_pairs(min_operand: int, max_operand: int, test_share: float, seed: int):
+    """(train, test) unordered operand pairs {a <= b}, the test share held out."""
+    pairs = list(itertools.combinations_with_replacement(range(min_operand, max_operand + 1), 2))
+    random.Random(seed).shuffle(pairs)
+    cut = max(1, round(test_share * len(pairs)))
+    return pairs[cut:], pairs[:cut]
+
+
+def _problems(pairs, ops: Sequence[str], rng: random.Random, count: int):
+    """``count`` distinct (question, answer) pairs drawn from the operand pairs (either order for
+    a sum; larger first for a difference), or every one there is when fewer exist."""
+    space = []
+    for (a, b), op in itertools.product(pairs, ops):
+        orders = {(a, b), (b, a)} if op == "add" else {(b, a)}
+        for x, y in sorted(orders):
+            if op == "sub" and x == y:
+                continue
+            for template, name, item in itertools.product(QUESTIONS[op], NAMES, ITEMS):
+                space.append((template.format(name=name, item=item, a=x, b=y), x + y if op == "add" else x - y))
+    rng.shuffle(space)
+    return space[:count]
+
+
+def generate(train_count: int, test_count: int, *, ops: Sequence[str] = ("add",), min_operand: int = 2,
+             max_operand: int = 9, test_share: float = 0.25, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows); test questions share no operand pair with training ones."""
+    bad = [op for op in ops if op not in OPS]
+    if bad or not ops:
+        raise ValueError(f"ops {list(ops)}: choose from {list(OPS)}")
+    if not 0 <= min_operand < max_operand:
+        raise ValueError(f"operands {min_operand}..{max_operand}: need 0 <= min < max")
+    train_pairs, test_pairs = split_pairs(min_operand, max_operand, test_share, seed)
+    rng = random.Random(seed + 1)
+    out = []
+    for split, pairs, count in (("train", train_pairs, train_count), ("test", test_pairs, test_count)):
+        out.append([{"data_source": DATA_SOURCE, "prompt": messages(q), "ability": "math",
+                     "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                     "extra_info": {"index": i, "split": split, "question": q}}
+                    for i, (q, answer) in enumerate(_problems(pairs, ops, rng, count))])
+    return out[0], out[1]
+
+
+def write_parquet(rows: Sequence[dict], out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(list(rows), schema=SCHEMA), out)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m arlopti_jax.tasks.arith", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    parser.add_argument("--train-count", type=int, default=2000)
+    parser.add_argument("--test-count", type=int, default=128)
+    parser.add_argument("--ops", default="add", help="comma-separated: add, sub")
+    parser.add_argument("--min-operand", type=int, default=2)
+    parser.add_argument("--max-operand", type=int, default=9)
+    parser.add_argument("--test-share", type=float, default=0.25, help="share of operand pairs held out for test")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.train_count < 1 or args.test_count < 1:
+        parser.error("--train-count and --test-count must be positive")
+    if not 0 < args.test_share < 1:
+        parser.error("--test-share must be in (0, 1)")
+    try:
+        train, test = generate(args.train_count, args.test_count, ops=args.ops.split(","),
+                               min_operand=args.min_operand, max_operand=args.max_operand,
+                               test_share=args.test_share, seed=args.seed)
+    except ValueError as err:
+        parser.error(str(err))
+    out = Path(args.out)
+    write_parquet(train, out / "train.parquet")
+    write_parquet(test, out / "test.parquet")
+    print(f"wrote {len(train)} training and {len(test)} test problems to {out}/", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
