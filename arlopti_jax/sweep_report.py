@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from arlopti_jax.sweep import VARIANTS, run_names
+from arlopti_jax.sweep import PRETRAINED, VARIANTS, run_names
 
 
 def test_set_columns(results: dict) -> list[str]:
@@ -145,6 +145,8 @@ def scale_line(results: dict) -> str:
     """The start point in words: its scale, people counts (from the test sets) and model size."""
     people = [c.split("_")[-1].removesuffix("ppl") for c in test_set_columns(results)]
     size = f", a {results['model_params'] / 1e6:.2f}M-parameter model" if results.get("model_params") else ""
+    if results.get("scale") in PRETRAINED:
+        return f"pretrained model of scale {results['scale']!r} ({PRETRAINED[results['scale']]['config']}{size})"
     return (f"embedded start point of scale {results.get('scale', 'cpu')!r} "
             f"({' / '.join(people) or '?'} people{size})")
 

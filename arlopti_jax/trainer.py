@@ -116,7 +116,8 @@ def train(config) -> dict:
 
     def evaluate(step):
         with timer("eval"):
-            results = evaluator.run(params, jax.random.fold_in(key, 10**9 + step))
+            generations = run_dir / "generations" / f"step_{step}" if config.train.save_generations else None
+            results = evaluator.run(params, jax.random.fold_in(key, 10**9 + step), generations)
         writer.scalars(step, results)
         append_jsonl(run_dir / "eval.jsonl", {"step": step, **evaluator.settings, **results})
         return results

@@ -191,6 +191,19 @@ def test_invalid_config_fails_with_one_line(args, expected):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("module,field", [("arlopti_jax.eval", "test_files"), ("arlopti_jax.train", "train_files"),
+                                          ("arlopti_jax.eval", "model.path")])
+def test_a_missing_path_is_one_error_line(start_point, tmp_path, module, field):
+    missing = tmp_path / "nowhere" / "test.parquet"
+    values = overrides(start_point, tmp_path / "run", **{"data.test_files": str(start_point / "data" / "test_2ppl.parquet")})
+    values["model.path" if field == "model.path" else f"data.{field}"] = str(missing)
+    proc = subprocess.run([sys.executable, "-m", module, *[f"--config.{k}={v}" for k, v in values.items()]],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0], proc.stderr[-2000:]
+
+
 def test_export_and_eval_clis(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "e", **{"train.max_steps": 2, "data.test_files":
                                                       str(start_point / "data" / "test_2ppl.parquet")})
@@ -211,11 +224,26 @@ def test_export_and_eval_clis(start_point, tmp_path):
     records = [json.loads(l) for l in evaluated.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 2]  # before training and at the end
     assert "eval/test_2ppl/greedy_acc" in records[0]
-    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.eval", *[f"--config.{k}={v}" for k, v in values.items()],
+    # every evaluation kept its responses: one line per (prompt, mode, sample), scores as in eval.jsonl
+    for step, record in ((0, records[0]), (2, records[1])):
+        kept = [json.loads(l) for l in (tmp_path / "e" / "generations" / f"step_{step}" / "test_2ppl.jsonl")
+                .read_text().splitlines()]
+        assert len(kept) == 2 * 6 and {r["mode"] for r in kept} == {"greedy", "sampled"}
+        greedy = [r for r in kept if r["mode"] == "greedy"]
+        assert sorted(r["row"] for r in greedy) == list(range(6))
+        assert np.mean([r["correct"] for r in greedy]) == pytest.approx(record["eval/test_2ppl/greedy_acc"])
+        assert np.mean([r["score"] for r in greedy]) == pytest.approx(record["eval/test_2ppl/greedy_reward"])
+        assert all(r["response"] and (r["answer"] is None) == (r["score"] <= -1.0) for r in kept)
+
+    # evaluation needs no training files, and keeps its responses too
+    standalone = {**values, "data.train_files": ""}
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.eval", *[f"--config.{k}={v}" for k, v in standalone.items()],
                            f"--checkpoint={tmp_path / 'e' / 'checkpoints' / '2'}"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "test_2ppl" in proc.stdout
+    [folder] = [p for p in (tmp_path / "e" / "generations").iterdir() if p.name.startswith("eval-")]
+    assert len((folder / "test_2ppl.jsonl").read_text().splitlines()) == 12
     # the standalone evaluation of the final checkpoint reproduces the in-training one
     last = json.loads(evaluated.read_text().splitlines()[-1])
     assert last["eval/test_2ppl/greedy_acc"] == records[-1]["eval/test_2ppl/greedy_acc"]
