@@ -34,6 +34,13 @@ def unruly_reward(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str))
 
 
+def sleepy_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """1.0 at once, or after a minute for the response 'sleep'."""
+    if solution_str == "sleep":
+        time.sleep(60)
+    return 1.0
+
+
 @pytest.mark.parametrize("source", ["kk_logic", "kk_logic3", "kk_logic_7ppl"])
 def test_kk_sources_route_to_kk(source):
     assert compute_score(source, KK_RIGHT, KK_GT) == 3.0
@@ -106,6 +113,36 @@ def test_score_batch_timeouts_and_failures():
     assert score_batch(unruly_reward, ["any"] * 8, ["x"] * 8, [None] * 8, num_workers=2) == [1.0] * 8
 
 
+# (num_workers, items): asked to score in this process; fewer items than inline_below, with
+# and without workers; a batch for the worker pool.
+SCORING_PATHS = [(0, 10), (0, 4), (2, 4), (2, 10)]
+
+
+@pytest.mark.parametrize("num_workers, n", SCORING_PATHS)
+def test_time_limit_holds_for_a_user_reward_on_every_path(num_workers, n):
+    strs = ["x", "sleep"] + ["x"] * (n - 2)
+    start = time.monotonic()
+    got = score_batch(sleepy_reward, ["any"] * n, strs, [None] * n, num_workers=num_workers, timeout_s=0.5,
+                      failure_score=-1.0)  # fmt: skip
+    assert got == [1.0, -1.0] + [1.0] * (n - 2)
+    assert time.monotonic() - start < 30  # worker start-up included; the sleep alone takes 60 s
+
+
+@pytest.mark.parametrize("num_workers, n", SCORING_PATHS)
+def test_time_limit_holds_for_builtin_math_on_every_path(num_workers, n):
+    # math-verify loaded (sandbox and workers started) before the clock starts
+    warm = score_batch(compute_score, ["math_dsr"] * n, ["\\boxed{\\frac{1}{2}}"] * n, ["0.5"] * n,
+                       num_workers=num_workers)
+    assert warm == [1.0] * n
+    strs = ["\\boxed{2}", "\\boxed{9^{9^{9^{9}}}}"] + ["\\boxed{2}"] * (n - 2)
+    start = time.monotonic()
+    got = score_batch(compute_score, ["math_dsr"] * n, strs, ["2"] * n, num_workers=num_workers, timeout_s=1.0)
+    elapsed = time.monotonic() - start
+    assert got == [1.0, 0.0] + [1.0] * (n - 2)
+    # grading the power tower runs until stopped: at this 1 s limit, not math's own 5 s default
+    assert elapsed < 4.0, elapsed
+
+
 def test_worker_pool_switches_functions_after_kills():
     """A worker replaced at the end of a call may still be loading the old function."""
     with WorkerPool(2) as pool:
@@ -126,8 +163,9 @@ def test_score_batch_hostile_math_answer_is_bounded():
 def test_score_batch_rejects_bad_inputs():
     with pytest.raises(ValueError, match="equally long"):
         score_batch(compute_score, ["kk_logic"], ["a", "b"], [KK_GT])
-    with pytest.raises(TypeError, match="module-level function"):
-        score_batch(lambda *a: 1.0, ["x"] * 10, ["s"] * 10, [None] * 10, num_workers=1)
+    for num_workers in (0, 1):  # a user function runs in a worker even with num_workers=0
+        with pytest.raises(TypeError, match="module-level function"):
+            score_batch(lambda *a: 1.0, ["x"] * 10, ["s"] * 10, [None] * 10, num_workers=num_workers)
 
 
 def test_builtin_rewards_take_verl_arguments():

@@ -8,21 +8,28 @@ where solution_str is the decoded prompt and response together. The built-in
 `compute_score` routes on data_source:
 
     kk_logic*                                      -> kk_reward.compute_kk_score
-    aime_dsr, amc_dsr, math_dsr, deepscaler        -> math_reward.compute_math_score
+    aime_dsr, amc_dsr, math_dsr, deepscaler, arith -> math_reward.compute_math_score
 
 `load_reward_fn(spec)` returns that router for spec None, or the function named by a
 'package.module:function' import path.
 
-`score_batch` scores many responses in parallel worker processes (workers.WorkerPool,
-spawn/forkserver, safe with JAX in the parent) with a per-item time limit; an item
-that raises, overruns or returns a non-finite value gets `failure_score`. Batches
-smaller than `inline_below` are scored in this process (the built-in rewards bound
-their own time there: math grading runs in its own sandbox process). Pools are kept
-between calls and shut down at exit (`shutdown_pools`). Workers do not import the
-caller's __main__ module, so scoring works from any script, `python -`, or a notebook;
-only a reward function defined in __main__ itself makes them import it (the script then
-needs the usual `if __name__ == "__main__":` guard; from stdin or a notebook, define
-the function in a module, or pass num_workers=0).
+`score_batch` scores many responses under a per-item time limit; an item that raises,
+overruns or returns a non-finite value gets `failure_score`. The limit holds on every
+path, because a call that may overrun only ever runs where it can be killed:
+  * a user function (anything but the built-in router) always runs in worker processes
+    (workers.WorkerPool, spawn/forkserver, safe with JAX in the parent; at least one, also
+    with num_workers=0), killed on overrun. In this process nothing could stop it: a
+    thread cannot be killed, and a signal reaches only the main thread and cannot
+    interrupt C code such as sympy's;
+  * the built-in router may score in this process (num_workers=0, or fewer than
+    `inline_below` items), since its cost there is bounded: K&K scoring is a linear scan
+    of the response, and math grading hands its one unbounded step, math-verify, to its
+    own sandbox process under the same time limit.
+Pools are kept between calls and shut down at exit (`shutdown_pools`). Workers do not
+import the caller's __main__ module, so scoring works from any script, `python -`, or a
+notebook; only a reward function defined in __main__ itself makes them import it (the
+script then needs the usual `if __name__ == "__main__":` guard; from stdin or a notebook,
+define the function in a module).
 
 `answer_for(data_source)` gives the answer extractor majority voting (maj@k) uses:
 K&K's parsed assignment, math's normalised boxed answer; None for other sources.
@@ -47,9 +54,10 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
 KK_PREFIX = "kk_logic"
-MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler")
+MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler", "arith")  # arith: tasks/arith.py
 DEFAULT_TIMEOUT_S = 10.0
-_WORKER_PRELOAD = ("arlopti_jax.tasks.registry", "arlopti_jax.tasks.math_reward:warm_up")
+# The built-in router's workers import math-verify before their first deadline starts.
+_BUILTIN_PRELOAD = ("arlopti_jax.tasks.registry", "arlopti_jax.tasks.math_reward:warm_up")
 
 
 def reward_for(data_source: str) -> Callable[[str, Any, Any], float]:
@@ -76,10 +84,15 @@ def answer_for(data_source: str) -> Callable[[str, Any], Hashable | None] | None
 
 
 def compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> float:
-    """The built-in reward router (see the module docstring)."""
-    return float(reward_for(data_source)(solution_str, ground_truth, extra_info))
+    """The built-in reward router (see the module docstring). ``timeout_s`` bounds math
+    grading (math-verify, in a sandbox process); K&K scoring is a bounded scan."""
+    reward = reward_for(data_source)
+    if reward is compute_math_score:
+        return float(compute_math_score(solution_str, ground_truth, extra_info, timeout_s=timeout_s))
+    return float(reward(solution_str, ground_truth, extra_info))
 
 
 def load_reward_fn(spec: str | None = None) -> RewardFn:
@@ -111,16 +124,15 @@ def _as_score(value: Any, failure_score: float) -> float:
     return score if math.isfinite(score) else failure_score
 
 
-_pools: dict[tuple[int, str, bool], WorkerPool] = {}
+_pools: dict[tuple[int, str, bool, tuple[str, ...]], WorkerPool] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(num_workers: int, mp_context: str, import_main: bool) -> WorkerPool:
+def _pool(num_workers: int, mp_context: str, import_main: bool, preload: tuple[str, ...]) -> WorkerPool:
     with _pools_lock:
-        key = (num_workers, mp_context, import_main)
+        key = (num_workers, mp_context, import_main, preload)
         if key not in _pools:
-            _pools[key] = WorkerPool(num_workers, mp_context=mp_context, preload=_WORKER_PRELOAD,
-                                     import_main=import_main)
+            _pools[key] = WorkerPool(num_workers, mp_context=mp_context, preload=preload, import_main=import_main)
         return _pools[key]
 
 
@@ -153,10 +165,12 @@ def score_batch(
 ) -> list[float]:
     """fn(data_source, solution_str, ground_truth, extra_info) for every item, as floats.
 
-    Items are scored in `num_workers` processes (default: cpu count - 1, at most 8),
-    each call limited to `timeout_s` seconds; an item that raises, overruns (its
-    worker is killed and replaced) or returns a non-number scores `failure_score`.
-    Fewer than `inline_below` items, or num_workers=0, are scored in this process.
+    Each call is limited to `timeout_s` seconds; an item that raises, overruns or returns a
+    non-number scores `failure_score`. Where items run (the module docstring says why): the
+    built-in router `compute_score` in this process when num_workers=0 or there are fewer
+    than `inline_below` items; otherwise, and for any other function always, in
+    `num_workers` worker processes (default: cpu count - 1, at most 8; at least 1), an
+    overrunning one killed and replaced.
     """
     n = len(solution_strs)
     extra_infos = [None] * n if extra_infos is None else list(extra_infos)
@@ -166,20 +180,22 @@ def score_batch(
             f"{len(data_sources)} data_sources, {n} solution_strs, "
             f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos"
         )
-    if fn is compute_score:  # an unknown source is a set-up error, not a zero reward
+    builtin = fn is compute_score
+    if builtin:  # an unknown source is a set-up error, not a zero reward
         for source in set(data_sources):
             reward_for(source)
     items = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
     num_workers = default_num_workers() if num_workers is None else num_workers
-    if num_workers == 0 or n < inline_below:
+    if builtin and (num_workers == 0 or n < inline_below):
         scores = []
         for i, args in enumerate(items):
             try:
-                scores.append(_as_score(fn(*args), failure_score))
+                scores.append(_as_score(compute_score(*args, timeout_s=timeout_s), failure_score))
             except Exception as e:
                 log.warning("reward raised on item %d (data_source %r): %s", i, args[0], e)
                 scores.append(failure_score)
         return scores
     in_main = getattr(fn, "__module__", None) == "__main__"  # its workers must import __main__
-    raw = _pool(num_workers, mp_context, in_main).map(fn, items, timeout_s, failure_value=failure_score)
+    pool = _pool(max(1, num_workers), mp_context, in_main, _BUILTIN_PRELOAD if builtin else ())
+    raw = pool.map(fn, items, timeout_s, failure_value=failure_score)
     return [_as_score(v, failure_score) for v in raw]
