@@ -26,8 +26,21 @@ def reference(folder):
     return ids, mask, np.asarray(logits(cfg, params, jnp.asarray(ids), jnp.asarray(mask)))
 
 
-def test_eight_fake_devices():
-    assert jax.device_count() == 8
+def test_mesh_and_batch_sharding_place_each_row_block_on_its_devices():
+    """make_mesh uses every device once, with -1 filled in; batch_sharding gives the device at
+    mesh position (d, f, t) row block d x fsdp + f of the batch, the same block on every
+    tensor position."""
+    mesh = shd.make_mesh({"data": 2, "fsdp": -1, "tensor": 2})
+    assert mesh.axis_names == shd.MESH_AXES and mesh.devices.shape == (2, 2, 2)
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+    x = np.arange(8 * 3).reshape(8, 3)
+    on_device = {s.device: np.asarray(s.data) for s in jax.device_put(x, shd.batch_sharding(mesh)).addressable_shards}
+    for (d, f, _), device in np.ndenumerate(mesh.devices):
+        block = d * mesh.shape["fsdp"] + f
+        np.testing.assert_array_equal(on_device[device], x[2 * block: 2 * block + 2])
+    # a given device list is laid out in its order
+    devices = jax.devices()[::-1][:4]
+    assert list(shd.make_mesh({"fsdp": 2, "tensor": -1}, devices=devices).devices.flat) == devices
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "x".join(f"{k}{v}" for k, v in l.items()))
