@@ -192,16 +192,54 @@ def test_attention_mask_has_no_empty_row_and_keeps_valid_rows():
     assert step.tolist() == [[bool(kv[b, s]) and s <= 4 for s in range(6)] for b in range(3)]
 
 
-def test_attention_impl_is_validated_and_xla_equals_auto_on_cpu(tmp_path):
+def test_attention_impl_is_validated():
     with pytest.raises(ValueError, match=r"attention='flash'.*'auto', 'xla', 'cudnn'"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
                     head_dim=4, attention="flash")
+
+
+# (backend, dtype) -> the kernel 'auto' must run: cuDNN's fused one only on a GPU at 16 bits.
+AUTO_KERNELS = [("gpu", jnp.bfloat16, "cudnn"), ("gpu", jnp.float16, "cudnn"), ("gpu", jnp.float32, "xla"),
+                ("tpu", jnp.bfloat16, "xla"), ("cpu", jnp.bfloat16, "cpu blocks"), ("cpu", jnp.float32, "cpu blocks")]
+
+
+@pytest.mark.parametrize("backend, dtype, want", AUTO_KERNELS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_auto_attention_picks_the_kernel_for_backend_and_dtype(monkeypatch, backend, dtype, want):
+    """The dispatch itself, on any machine: the backend is stubbed and the kernels record
+    that they ran, with 'xla' and 'cudnn' asked for explicitly as the references."""
+    from arlopti_jax.models import decoder
+
+    q = jnp.zeros((1, 4, 2, 8), dtype)
+    kv = jnp.zeros((1, 4, 1, 8), dtype)
+    mask = jnp.tril(jnp.ones((4, 4), bool))[None, None]
+    ran = []
+    monkeypatch.setattr(decoder.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(decoder.jax.nn, "dot_product_attention",
+                        lambda q, *a, implementation=None, **k: ran.append(implementation or "xla") or q)
+    monkeypatch.setattr(decoder, "_causal_blocks", lambda q, *a: ran.append("cpu blocks") or q)
+    for impl in ("auto", "xla", "cudnn"):
+        decoder.attention(q, kv, kv, mask, 0.35, impl)
+    explicit_xla = "cpu blocks" if backend == "cpu" else "xla"
+    assert ran == [want, explicit_xla, "cudnn"]
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
+def test_cudnn_attention_matches_xla_on_gpu(tmp_path):
+    """cuDNN's fused kernel and XLA's attention, both in bfloat16, each within bfloat16 rounding
+    of the float32 model's logits and log-probs, on left-padded rows."""
     folder = write_hf_model(tmp_path / "a")
-    cfg, params = load_pretrained(folder, mesh=_single_mesh())
-    ids, mask = (jnp.asarray(a) for a in padded_batch(seed=5, length=9))
-    auto, _ = token_logprobs(cfg, params, ids, mask)
-    xla, _ = token_logprobs(cfg.replace(attention="xla"), params, ids, mask)
-    np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
+    ids, mask = (jnp.asarray(a) for a in padded_batch(seed=5, length=64))
+    valid = np.asarray(mask).astype(bool)
+
+    def outputs(dtype, impl):
+        cfg, params = load_pretrained(folder, mesh=_single_mesh(), dtype=dtype, attention=impl)
+        return (np.asarray(logits(cfg, params, ids, mask))[valid],
+                np.asarray(token_logprobs(cfg, params, ids, mask)[0])[valid])
+
+    want = outputs("float32", "xla")
+    for impl in ("cudnn", "xla"):
+        for got, ref in zip(outputs("bfloat16", impl), want):
+            assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, impl
 
 
 def test_causal_blocks_equal_plain_attention_forward_and_backward():
