@@ -1,15 +1,17 @@
 """The paper's Knights-and-Knaves runs (PAPER.md, "Reference K&K run").
 
     python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti \
-        --config.model.path=/ckpt/Qwen2.5-3B-Instruct --config.data.train_files=data/kk \
+        --config.model.path=/ckpt/Qwen2.5-3B-Instruct \
+        --config.data.train_files=data/kk/3ppl/train.parquet,data/kk/4ppl/train.parquet \
         --config.run_dir=runs/kk3b_ar_lopti
 
 The argument is MODEL,VARIANT:
   MODEL    3b  (Qwen2.5-3B-Instruct) | 7b  (Qwen2.5-7B-Instruct-1M)
   VARIANT  grpo | grpo_ar | grpo_lopti | grpo_ar_lopti                    (GRPO, the paper's table)
            rpp  | rpp_ar  | rpp_lopti  | rpp_ar_lopti                     (REINFORCE++ baseline)
-Data defaults follow the reference layout (data/kk/{3..7}ppl/{train,test}.parquet); train on
-train files only: the reference's folder-level path also pulled the test files into training.
+Data defaults follow the reference layout (data/kk/{3..7}ppl/{train,test}.parquet); name train
+files only: a folder is not searched below its own files, and the reference's folder-level path
+also pulled the test files into training.
 """
 
 from arlopti_jax.config import base_config
@@ -45,8 +47,9 @@ def get_config(arg: str = "3b,grpo_ar_lopti"):
     c.rollout.temperature = 0.7
     c.rollout.top_p = 1.0
     c.rollout.max_response_length = 4096
-    # bf16: the sampler's log-probs and a teacher-forced pass differ enough to clip ~6% of the first
-    # mini-batch's tokens before the policy moves (1% with recompute): docs/benchmarks.md, GPU section
+    # bf16: the sampler's log-probs and a teacher-forced pass can differ enough to clip tokens before
+    # the policy moves (6.4% of the first mini-batch against 1.1% with recompute, on a random 1.5B
+    # model with logits scaled x3; 0% for both unscaled): docs/benchmarks.md, GPU section
     c.rollout.recompute_old_logprobs = True
     c.algo.adv_estimator = estimator
     c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta

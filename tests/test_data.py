@@ -133,8 +133,13 @@ def test_missing_column_in_parquet(tmp_path):
 def test_bad_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_data_files(tmp_path / "nope.parquet")
-    with pytest.raises(FileNotFoundError, match="no \\*.parquet"):
+    with pytest.raises(FileNotFoundError, match="no \\*.parquet.*in folder [^;]*$"):
         resolve_data_files(tmp_path)
+    # the public K&K layout, data/kk/3ppl/{train,test}.parquet: a folder is not searched below
+    (tmp_path / "kk" / "3ppl").mkdir(parents=True)
+    (tmp_path / "kk" / "3ppl" / "train.jsonl").write_text("{}\n")
+    with pytest.raises(FileNotFoundError, match="in folder .*kk; sub-folders are not searched"):
+        resolve_data_files(tmp_path / "kk")
     (tmp_path / "x.csv").write_text("a")
     with pytest.raises(ValueError, match="unsupported"):
         resolve_data_files(tmp_path / "x.csv")

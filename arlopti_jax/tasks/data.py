@@ -51,7 +51,9 @@ PathLike = str | Path
 
 
 def resolve_data_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
-    """Files named by `paths` (files, folders, or a list of them), in order."""
+    """Files named by `paths` (files, folders, or a list of them), in order. A folder gives its own
+    data files, not its sub-folders': the public K&K layout keeps train and test files in
+    sub-folders of one folder, so a recursive search would train on test puzzles."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files: list[Path] = []
@@ -59,7 +61,8 @@ def resolve_data_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
         if p.is_dir():
             found = sorted(f for f in p.iterdir() if f.suffix in DATA_SUFFIXES and f.is_file())
             if not found:
-                raise FileNotFoundError(f"no *.parquet or *.jsonl files in folder {p}")
+                below = "; sub-folders are not searched: name their files" if any(f.is_dir() for f in p.iterdir()) else ""
+                raise FileNotFoundError(f"no *.parquet or *.jsonl files in folder {p}{below}")
             files += found
         elif p.is_file():
             if p.suffix not in DATA_SUFFIXES:
