@@ -22,6 +22,9 @@ from arlopti_jax.models import load_pretrained, logits, save_pretrained, token_l
 from arlopti_jax.rollout import Sampler, SamplingConfig
 from real_model_fixtures import chat_prompts, converted_folder, gguf_file
 
+# one xdist worker runs them all: the converted model, its compiled programs and the sampled
+# rollout are then built once
+pytestmark = pytest.mark.xdist_group("real_model")
 EOS = 2  # <|im_end|>
 R = 40
 jit_logits = jax.jit(logits, static_argnums=0)
