@@ -47,6 +47,7 @@ def get_config(arg: str = "cpu,grpo_ar_lopti"):
     if scale == "cpu":
         c.model.dtype = "float32"
         c.model.remat = False
+        c.model.unroll_layers = True  # the train step runs 16% faster unrolled, for 10 s more compiling
         c.rollout.length_aware = False  # 48-token responses: the dense sampler's few programs compile faster
         c.loss.kl_coef = 0.0  # no reference pass: a third less compute per step on 2 cores
         c.optim.lr = 1e-5
@@ -54,9 +55,9 @@ def get_config(arg: str = "cpu,grpo_ar_lopti"):
         c.train.batch_prompts = 4
         c.train.mini_batch = 16
         c.train.micro_batch = 16
-        c.train.max_steps = 40
-        c.train.eval_every = 40
-        c.train.save_every = 10
+        c.train.max_steps = 16  # about 70 s each with Lopti: with two evaluations, about 30 minutes
+        c.train.eval_every = 16
+        c.train.save_every = 8
         c.train.samples_every = 5
     else:
         c.model.dtype = "bfloat16"
