@@ -18,6 +18,7 @@ import ml_collections
 
 from arlopti_jax import run_setup
 from arlopti_jax.checkpoint import Checkpointer
+from arlopti_jax.cli import startup_done
 from arlopti_jax.models import ModelConfig, save_pretrained
 
 
@@ -26,12 +27,14 @@ It takes no config file and no --config flags: the run's config (model dtype, me
 stored in the checkpoint.
 
 examples:
-  python -m arlopti_jax.export --checkpoint runs/default/checkpoints/40 --out exports/default
+  python -m arlopti_jax.export --checkpoint runs/default/checkpoints/30 --out exports/default
   python -m arlopti_jax.export --checkpoint runs/kk3b/checkpoints/120 --out exports/kk3b_step120
 """
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
+def read_checkpoint(checkpoint: str | Path) -> tuple[Path, ml_collections.ConfigDict, Path]:
+    """(step folder, the run's config, its model folder) of a checkpoint step folder; ValueError
+    or FileNotFoundError naming what is missing."""
     folder = Path(checkpoint).absolute()
     if not folder.is_dir() or not folder.name.isdigit():
         raise ValueError(f"--checkpoint {checkpoint}: not a checkpoint step folder (…/checkpoints/<step>)")
@@ -39,8 +42,18 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     if not meta_file.is_file():
         raise ValueError(f"{folder}: no meta/metadata: not a complete arlopti_jax checkpoint")
     meta = json.loads(meta_file.read_text())
-    config = ml_collections.ConfigDict(json.loads(meta["config"]))
     model_path = Path(meta["model_path"])
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path}, the model folder {meta_file} names (architecture and tokenizer), "
+                                "has no config.json")
+    return folder, ml_collections.ConfigDict(json.loads(meta["config"])), model_path
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    return _write(*read_checkpoint(checkpoint), out)
+
+
+def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, out: str | Path) -> Path:
     model_cfg = ModelConfig.from_pretrained(model_path, dtype=config.model.dtype,
                                             param_dtype=config.model.param_dtype, remat=config.model.remat,
                                             unroll_layers=config.model.get("unroll_layers", False))
@@ -59,10 +72,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out)
+        source = read_checkpoint(args.checkpoint)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    startup_done("arlopti_jax.export")
+    out = _write(*source, args.out)
     print(f"exported {args.checkpoint} to {out}")
     return 0
 
