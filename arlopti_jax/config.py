@@ -34,6 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.run_dir = "runs/run"
     c.seed = 42
     c.resume = "auto"  # auto | none | a checkpoint step folder
+    c.compile_cache_dir = "~/.cache/arlopti_jax/jax"  # JAX's persistent compilation cache (arlopti_jax.compile_cache)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # local Hugging Face folder; "" = the embedded tiny start point
@@ -105,7 +106,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.batch_prompts = 64  # prompts per RL step (x rollout.n responses)
     c.train.mini_batch = 256  # responses per optimizer step
-    c.train.micro_batch = 8  # responses per forward/backward (gradient accumulation)
+    c.train.micro_batch = 8  # sizes the packed micro-batch (with max_tokens_per_micro_batch = 0)
     # tokens per data x fsdp device of a packed micro-batch (sequences packed without padding);
     # 0 = the dense micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
     c.train.max_tokens_per_micro_batch = 0
@@ -117,6 +118,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_ks = (1,)  # pass@k / maj@k / mean@k for these k (each <= eval_n)
     c.train.eval_temperature = 1.0  # the reference samples its evaluation at 1.0, not the rollout temperature
     c.train.eval_max_prompts = -1  # cap per data_source for quick evaluation; -1 = all
+    c.train.save_generations = True  # every evaluation's responses, per test set, as jsonl
     c.train.save_every = 20
     c.train.keep_checkpoints = 3
     c.train.samples_every = 10  # sample completions to TensorBoard
@@ -147,6 +149,9 @@ FIELD_DOCS = {
     "seed": "sampling RNG seed",
     "resume": "`auto`: continue from the newest good checkpoint in `run_dir`; `none`: refuse if checkpoints "
               "exist; or a checkpoint step folder",
+    "compile_cache_dir": "JAX's persistent compilation cache: compiled programs are saved here and reused by later "
+                         "runs, resumes and evaluations (per user: they depend on the model, not the run; a folder "
+                         "all hosts share lets every host reuse them); `\"\"` = off",
     "model.path": "local Hugging Face folder (config.json, tokenizer, safetensors, optional "
                   "generation_config.json); `\"\"` = the embedded start point",
     "model.dtype": "activation dtype (`float32`, `bfloat16`); log-probs and losses are float32",
@@ -216,7 +221,10 @@ FIELD_DOCS = {
     "optim.min_lr_ratio": "`warmup_cosine` decays to lr x this",
     "train.batch_prompts": "prompts per RL step",
     "train.mini_batch": "responses per optimizer step (Lopti doubles the steps)",
-    "train.micro_batch": "responses per forward/backward; gradients are accumulated inside the jit",
+    "train.micro_batch": "sizes the packed micro-batch when `max_tokens_per_micro_batch` is 0: room for this many "
+                         "sequences of the longest possible length, so one holds more of shorter responses; each "
+                         "micro-batch is one jitted forward/backward call, and their gradients are summed before "
+                         "the mini-batch's optimizer step",
     "train.max_tokens_per_micro_batch": "tokens per data x fsdp device of one packed micro-batch (sequences packed "
                                         "back to back, no padding to full width); 0 = the dense micro-batch's share, "
                                         "micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)",
@@ -228,6 +236,8 @@ FIELD_DOCS = {
     "train.eval_ks": "k values of pass@k, maj@k and mean@k, each <= `eval_n` (e.g. `1,4,8`)",
     "train.eval_temperature": "temperature of the sampled evaluation (the reference uses 1.0 with top_p 1)",
     "train.eval_max_prompts": "evaluate at most this many prompts per test file; -1 = all",
+    "train.save_generations": "keep every evaluation's responses (row, mode, response, extracted answer, score) as "
+                              "`run_dir/generations/<step or eval-time>/<test set>.jsonl`",
     "train.save_every": "asynchronous orbax checkpoint every this many steps (and at the end, and on SIGTERM)",
     "train.keep_checkpoints": "checkpoints kept",
     "train.samples_every": "sample completions to TensorBoard every this many steps",
@@ -237,8 +247,11 @@ FIELD_DOCS = {
                                "(`isolation/{low,high}_q{1..4}`); 0 = off",
     "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
                  "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
-    "reward.workers": "parallel scoring processes (0 = score in the trainer's process)",
-    "reward.timeout_s": "per-response scoring time limit, seconds",
+    "reward.workers": "parallel scoring processes; 0 = the built-in rewards score in the trainer's process (K&K "
+                      "scoring is a bounded scan; math-verify runs in its own sandbox process), while a `reward.fn` "
+                      "still runs in one worker process, the only place `reward.timeout_s` can stop it",
+    "reward.timeout_s": "per-response scoring time limit, seconds: a scoring call that overruns it is stopped and "
+                        "the response scores 0, as when scoring raises",
     "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices)",
     "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",
     "mesh.tensor": "tensor-parallel mesh axis size (-1 = the rest)",

@@ -7,7 +7,9 @@ Without ``--checkpoint`` the model in ``config.model.path`` is evaluated. Per te
 accuracy and reward, and from ``train.eval_n`` samples per prompt (at
 ``train.eval_temperature``) the sampled accuracy and pass@k, maj@k and mean@k for k in
 ``train.eval_ks`` (definitions in ``arlopti_jax.evaluation``). Results print as a table and
-are appended to ``<run_dir>/eval.jsonl``.
+are appended to ``<run_dir>/eval.jsonl``; every response, with its extracted answer and score, is
+kept in ``<run_dir>/generations/eval-<time>/<test set>.jsonl`` (``train.save_generations``).
+No training files are needed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 
 from arlopti_jax import distributed as dist
 from arlopti_jax import run_setup
-from arlopti_jax.cli import Command
+from arlopti_jax.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG
 from arlopti_jax.evaluation import Evaluator, append_jsonl, format_table
 from arlopti_jax.tasks import load_reward_fn
@@ -53,10 +55,19 @@ def main(argv) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     mesh = run_setup.make_mesh(config)
-    model_path, _, test_files = run_setup.resolve_paths(config)
+    try:
+        model_path, _, test_files = run_setup.resolve_paths(config, need_train=False)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not test_files:
         print("error: config.data.test_files is empty: nothing to evaluate", file=sys.stderr)
         return 2
+    checkpoint = flags.FLAGS.checkpoint
+    if checkpoint and not (Path(checkpoint).is_dir() and Path(checkpoint).name.isdigit()):
+        print(f"error: --checkpoint={checkpoint}: not a checkpoint step folder (…/checkpoints/<step>)", file=sys.stderr)
+        return 2
+    startup_done(COMMAND.name)
     policy = run_setup.load_policy(config, mesh, model_path)
     params, label = policy.params, str(model_path)
     if flags.FLAGS.checkpoint:
@@ -72,12 +83,16 @@ def main(argv) -> int:
     sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], policy.tokenizer) for f in test_files}
     evaluator = Evaluator(config, policy, Sampler(policy.model_cfg, mesh), sets, load_reward_fn(config.reward.fn or None))
     start = time.time()
-    results = evaluator.run(params, jax.random.key(config.seed))
+    generations = None
+    if config.train.save_generations:
+        generations = Path(config.run_dir) / "generations" / time.strftime("eval-%Y%m%d-%H%M%S")
+    results = evaluator.run(params, jax.random.key(config.seed), generations)
     append_jsonl(Path(config.run_dir) / "eval.jsonl",
                  {"model": label, "time": time.time(), **evaluator.settings, **results})
     if jax.process_index() == 0:
         print(format_table(results, evaluator.settings))
-        print(f"evaluated {label} in {time.time() - start:.1f}s")
+        print(f"evaluated {label} in {time.time() - start:.1f}s"
+              + (f"; responses in {generations}/" if generations else ""))
     return 0
 
 

@@ -20,7 +20,7 @@ import jax
 
 from arlopti_jax import distributed as dist
 from arlopti_jax import run_setup
-from arlopti_jax.cli import Command
+from arlopti_jax.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
 from arlopti_jax.trainer import train
 
@@ -49,9 +49,11 @@ def main(argv) -> int:
             logging.getLogger().setLevel(logging.WARNING)
         validate(config, jax.device_count())
         dist.validate(config, run_setup.make_mesh(config))
-    except ConfigError as err:
+        run_setup.resolve_paths(config)  # a missing model or data path stops here, in one line
+    except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    startup_done(COMMAND.name)
     train(config)
     return 0
 
