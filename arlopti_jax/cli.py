@@ -92,7 +92,8 @@ def help_text(command: Command, argv: list[str]) -> str:
     config = _load(argv, command)
     wrap = lambda text, indent: textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent)
     usage_file = "" if command.default_file is None else " [--config=FILE[:ARG]]"
-    out = [f"usage: python -m {command.name}{usage_file} [--config.GROUP.FIELD=VALUE ...]"
+    program = command.name if command.name.endswith(".py") else f"-m {command.name}"  # a script, or a module
+    out = [f"usage: python {program}{usage_file} [--config.GROUP.FIELD=VALUE ...]"
            + "".join(f" [{flag.split('=')[0]}=...]" for flag, _ in command.flags), "", command.doc.strip(), ""]
     if command.default_file is not None:
         out += [wrap("Config files (--config=FILE[:ARG]; ARG is passed to the file's get_config). Without "

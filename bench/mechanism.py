@@ -96,6 +96,8 @@ def table(m: dict) -> str:
 def main(argv) -> int:
     from absl import flags
 
+    from arlopti_jax import run_setup
+    from arlopti_jax.cli import startup_done
     from arlopti_jax.config import validate
 
     config = flags.FLAGS.config
@@ -105,6 +107,12 @@ def main(argv) -> int:
         return 2
     logging.getLogger("absl").setLevel(logging.WARNING)
     validate(config)
+    try:
+        run_setup.resolve_paths(config)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    startup_done("bench/mechanism.py")
     start = time.time()
     with config.unlocked():
         m = measure(config, responses)
@@ -118,13 +126,26 @@ def main(argv) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from absl import app, flags
+def _cli():
+    from absl import flags
     from ml_collections import config_flags
 
+    from arlopti_jax.cli import Command, parse_command_line
     from arlopti_jax.config import DEFAULT_CONFIG
 
-    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).")
-    flags.DEFINE_integer("responses", 128, "responses of the batch (prompts x rollout.n)")
-    flags.DEFINE_string("out", "runs/mechanism.md", "markdown file for the table")
-    app.run(main)
+    command = Command(
+        name="bench/mechanism.py", doc=__doc__, default_file=DEFAULT_CONFIG,
+        flags=(("--responses=128", "responses of the batch (prompts x rollout.n)"),
+               ("--out=runs/mechanism.md", "markdown file for the table")),
+        examples=("python bench/mechanism.py --config=configs/smollm2.py:cpu,grpo --responses=128",))
+
+    def define():
+        flags.DEFINE_integer("responses", 128, "responses of the batch (prompts x rollout.n)")
+        flags.DEFINE_string("out", "runs/mechanism.md", "markdown file for the table")
+        config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).")
+
+    sys.exit(main(parse_command_line(sys.argv, command, define)))
+
+
+if __name__ == "__main__":
+    _cli()

@@ -173,9 +173,10 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 def path_arguments(module: str, args: list[str], cwd: Path) -> dict[str, str]:
     """flag -> the path it names: the model, data and checkpoint paths of the command line, and for
-    train and eval those its config file names when the line does not (its defaults)."""
+    train, eval and any script given a --config, those its config file names when the line does
+    not (its defaults)."""
     out = {flag: v for flag in MODEL_FLAGS + DATA_FLAGS + CHECKPOINT_FLAGS if (v := _flag_value(args, flag))}
-    if module in ("arlopti_jax.train", "arlopti_jax.eval"):
+    if module in ("arlopti_jax.train", "arlopti_jax.eval") or _flag_value(args, "--config"):
         from arlopti_jax.config import DEFAULT_CONFIG, load_config_file
 
         path, _, arg = (_flag_value(args, "--config") or DEFAULT_CONFIG).partition(":")
