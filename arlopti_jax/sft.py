@@ -22,7 +22,8 @@ from pathlib import Path
 
 import ml_collections
 
-from arlopti_jax.cli import Command
+from arlopti_jax.cli import Command, startup_done
+from arlopti_jax.config import base_config
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def sft_config() -> ml_collections.ConfigDict:
     c.tiny = False  # build the embedded default's start point (ignores model.path / data.files)
     c.out_dir = "runs/sft"
     c.seed = 0
+    c.compile_cache_dir = base_config().compile_cache_dir  # the trainer's: SFT and RL share compiled programs
     c.model = ml_collections.ConfigDict({"path": "", "dtype": "float32", "param_dtype": "float32", "remat": False})
     c.data = ml_collections.ConfigDict({"files": "", "max_length": 1024})
     c.train = ml_collections.ConfigDict({"steps": 300, "batch": 16, "lr": 1e-3, "warmup": 20,
@@ -43,6 +45,7 @@ SFT_FIELD_DOCS = {
     "tiny": "build the embedded default's start point in `out_dir` (ignores model.path and data.files)",
     "out_dir": "the Hugging Face folder to write",
     "seed": "data order seed (and the start point's, with `tiny`)",
+    "compile_cache_dir": "JAX's persistent compilation cache (`\"\"` = off), as the trainer's field",
     "model.path": "local Hugging Face folder to fine-tune",
     "model.dtype": "activation dtype (`float32`, `bfloat16`)",
     "model.param_dtype": "weight dtype",
@@ -73,18 +76,30 @@ def main(argv) -> int:
     from arlopti_jax import sharding as shd
     from arlopti_jax.models import load_pretrained, save_pretrained
     from arlopti_jax.supervised import read_pairs, run_sft
+    from arlopti_jax.tasks.data import resolve_data_files
 
     cfg = flags.FLAGS.config
     out = Path(cfg.out_dir)
     if cfg.tiny:
         from arlopti_jax.start_point import ensure_start_point
 
+        startup_done(COMMAND.name)
         ensure_start_point(out, seed=cfg.seed)
         print(f"start point written to {out}")
         return 0
     if not cfg.model.path or not cfg.data.files:
-        print("sft: set --config.model.path and --config.data.files (or --config.tiny=True)", file=sys.stderr)
+        print("error: set --config.model.path and --config.data.files (or --config.tiny=True)", file=sys.stderr)
         return 2
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        print(f"error: config.model.path={cfg.model.path}: not a Hugging Face model folder (no config.json)",
+              file=sys.stderr)
+        return 2
+    try:
+        resolve_data_files(cfg.data.files.split(","))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: config.data.files: {err}", file=sys.stderr)
+        return 2
+    startup_done(COMMAND.name)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -9,6 +9,12 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from arlopti_jax import compile_cache  # noqa: E402
+from arlopti_jax.config import base_config  # noqa: E402
+
+# programs compiled by one test session are read back by the next (the trainer's default folder)
+compile_cache.enable(base_config().compile_cache_dir)
+
 
 import pytest  # noqa: E402
 

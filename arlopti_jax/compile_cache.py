@@ -1,0 +1,60 @@
+"""JAX's persistent compilation cache: every compiled program is written to a folder, and a
+later process (a second run, a resume, an evaluation, the next test session) reads it back
+instead of compiling it again.
+
+    compile_cache.enable(config.compile_cache_dir)
+
+The command lines (``cli.parse_command_line``: train, eval, sft), ``reproduce`` and the tests
+(``tests/conftest.py``) call this before compiling anything.
+
+The default folder is per user, ``~/.cache/arlopti_jax/jax``, not one beside the run folder:
+a compiled program depends on the model's shapes, the mesh and the code, not on the run, so
+every run of a model (a sweep's variants and seeds, a resume, an evaluation) reuses the same
+programs; and a run folder of a multi-host run lives on a shared filesystem, often a slow one.
+On several hosts only process 0 writes entries (JAX's rule), so other hosts reuse them only
+from a folder they all share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import jax
+
+DEFAULT_DIR = "~/.cache/arlopti_jax/jax"
+MAX_BYTES = 4 << 30  # least recently used entries beyond this are deleted (JAX's LRU eviction, file-locked)
+
+
+def _host_tag() -> str:
+    """A folder name per CPU instruction set. XLA:CPU compiles for the host's CPU features and
+    the cache key does not include them: a program compiled on an AVX-512 machine, read on a
+    machine without AVX-512 through a shared home folder, would crash."""
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    digest = hashlib.sha256(f"{platform.machine()} {' '.join(sorted(flags.split()))}".encode()).hexdigest()
+    return f"{platform.machine()}-{digest[:10]}"
+
+
+def enable(directory: str) -> Path | None:
+    """Compile through the persistent cache in ``directory`` (``~`` expanded; a subfolder per
+    CPU instruction set); '' leaves JAX's own setting alone. Every program is cached, however
+    fast it compiled (JAX's default skips those under a second: dozens of them per run).
+    Returns the folder used, or None."""
+    if not directory:
+        return None
+    path = Path(directory).expanduser() / _host_tag()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a read-only home, say: compile as without the cache
+        logging.getLogger(__name__).warning("no persistent compilation cache: %s", err)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    return path
