@@ -61,8 +61,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.prompt_bucket = 64  # prompts are padded to a multiple of this (compile once per bucket)
     c.rollout.recompute_old_logprobs = False  # pi_old from a teacher-forced pass instead of the sampler's
     c.rollout.length_aware = True  # decode cost follows the real response lengths (same tokens as the dense path)
-    c.rollout.phase_tokens = 0  # response slots of the first decode phase; 0 = max_response_length / 8 (power of 2)
-    c.rollout.min_rows = 8  # rows per device below which finished rows are no longer compacted away
+    c.rollout.phase_tokens = 0  # response slots of the first decode phase; 0 = max_response_length / 4 (power of 2)
+    c.rollout.min_rows = 16  # rows per device below which finished rows are no longer compacted away
 
     c.algo = ml_collections.ConfigDict()
     c.algo.adv_estimator = "grpo"
@@ -180,7 +180,8 @@ FIELD_DOCS = {
                             "finished rows are dropped from the batch; False = every step over all slots and rows "
                             "(the same tokens and log-probs)",
     "rollout.phase_tokens": "response slots of the first decode phase, doubling each phase up to "
-                            "max_response_length; 0 = max_response_length / 8 rounded up to a power of two",
+                            "max_response_length; 0 = max_response_length / 4 rounded up to a power of two (three "
+                            "phases; each phase is one more compiled decode loop per row count)",
     "rollout.min_rows": "rows per device below which the decode batch is not compacted further (each row count "
                         "is one more compiled program)",
     "algo.adv_estimator": "`grpo`, `reinforce_plus_plus`, `rloo`, `dr_grpo`",

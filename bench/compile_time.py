@@ -12,9 +12,9 @@ this machine's backend (``jax.jit(...).lower(...).compile()``). The programs:
   slots and rows;
 - sampler, length-aware: start at the first phase, one decode loop per (rows per device,
   cache phase) the schedule can reach (row buckets from the batch's rows per device down to
-  ``min_rows``, x the phases of ``SamplingConfig.phase_ends``), every resize between them
-  that ``Sampler.decode`` can ask for, and the final scatter of each reachable state. The
-  prefill is the dense path's (the same program);
+  ``min_rows``, x the phases of ``SamplingConfig.phase_ends``), the compaction of each to
+  the next bucket, the growth of each to the next phase, and the final scatter of each
+  bucket below the batch's. The prefill is the dense path's (the same program);
 - update: the gradient accumulator's zeros, one accumulate of the dense micro-batch's
   packed shape (``micro`` rows of P + R tokens; the packing ladder adds one such program
   per row length met), the optimizer step, and the teacher-forced log-prob pass of the same
@@ -47,7 +47,7 @@ def parse_args():
     ap.add_argument("--n", type=int, default=8, help="responses per prompt")
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt slots (a bucket)")
     ap.add_argument("--response", type=int, default=4096, help="max_response_len R")
-    ap.add_argument("--min-rows", type=int, default=8, help="SamplingConfig.min_rows")
+    ap.add_argument("--min-rows", type=int, default=16, help="SamplingConfig.min_rows (default: its default)")
     ap.add_argument("--phase-tokens", type=int, default=0, help="SamplingConfig.phase_tokens")
     ap.add_argument("--micro", type=int, default=8, help="rows of the update's dense micro-batch")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="compute dtype")
@@ -97,6 +97,7 @@ def sampler_programs(cfg, mesh, args, timer: Timer, groups: set) -> None:
     from arlopti_jax import sharding as shd
     from arlopti_jax.models import abstract_params, param_shardings
     from arlopti_jax.rollout import Sampler, SamplingConfig
+    from arlopti_jax.rollout.programs import row_fields
     from arlopti_jax.rollout.sampling import bucket
 
     sampler = Sampler(cfg, mesh)
@@ -135,26 +136,24 @@ def sampler_programs(cfg, mesh, args, timer: Timer, groups: set) -> None:
                 continue
             # rows per device: the batch's, then the powers of two below it down to min_rows
             buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length())) if 1 << i >= args.min_rows]
+            full = {k: getattr(start, k) for k in ("tokens", "logprobs", "mask", "finished")}
             states = {(first, 0): start}
             for phase in range(len(ends)):  # states in the order decode meets them: phases up, rows down
-                for rows in buckets:
+                for i, rows in enumerate(buckets):
                     state = states.get((rows, phase))
                     if state is None:
                         continue
                     decode(state, rows)
-                    initial = (rows, phase) == (first, 0)
-                    out = None if initial else {k: getattr(start, k) for k in ("tokens", "logprobs", "mask", "finished")}
-                    if not initial:
-                        timer.compile(group, f"scatter rows={rows} slots={p + ends[phase]}", sampler._scatter, out, state)
-                    # Sampler.decode: compaction within a phase needs the busiest device's live
-                    # rows to fit half the bucket; a full cache moves to the next phase at any count
-                    targets = [(x, phase) for x in buckets if x <= rows // 2]
+                    slots = p + ends[phase]
+                    if rows != first and phase == 0:  # the final scatter reads only the rows' outputs
+                        timer.compile(group, f"scatter rows={rows}", sampler._scatter, full, row_fields(state))
+                    if i + 1 < len(buckets):  # nothing compacted yet (out None) while the batch is whole
+                        states[(buckets[i + 1], phase)], _ = timer.compile(
+                            group, f"compact rows={rows} slots={slots}", sampler._compact, state,
+                            None if rows == first else full, rows=buckets[i + 1])
                     if phase + 1 < len(ends):
-                        targets += [(x, phase + 1) for x in buckets if x <= rows]
-                    for to_rows, to_phase in targets:
-                        new, _ = timer.compile(group, f"resize {rows},{phase}->{to_rows},{to_phase}", sampler._resize,
-                                               state, out, rows=to_rows, slots=p + ends[to_phase])
-                        states.setdefault((to_rows, to_phase), new)
+                        states[(rows, phase + 1)] = timer.compile(group, f"grow rows={rows} slots={slots}",
+                                                                  sampler._grow, state, slots=p + ends[phase + 1])
 
 
 def update_programs(cfg, mesh, args, timer: Timer) -> None:

@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--sigma", type=float, default=0.6, help="lognormal: sigma of log(length)")
     p.add_argument("--at-max", type=float, default=0.05, help="lognormal: share of responses running to gen-len")
     p.add_argument("--phase-tokens", type=int, default=SamplingConfig.phase_tokens,
-                   help="length-aware: response slots of the first phase (0: gen-len / 8)")
+                   help="length-aware: response slots of the first phase (0: gen-len / 4)")
     p.add_argument("--min-rows", type=int, default=SamplingConfig.min_rows,
                    help="length-aware: rows per device below which no compaction")
     p.add_argument("--dense", action="store_true", help="fixed lengths: time the dense sampler (length_aware=False)")

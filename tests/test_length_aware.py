@@ -19,7 +19,9 @@ from arlopti_jax import sharding as shd
 from arlopti_jax.models import init_params, load_pretrained
 from arlopti_jax.models import token_logprobs as _token_logprobs
 from arlopti_jax.rollout import Sampler, SamplingConfig
+from arlopti_jax.rollout.programs import row_fields
 from hf_fixtures import write_hf_model
+from reference_sampler import reference_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
 N, R, EOS = 4, 16, (2,)
@@ -122,17 +124,39 @@ def test_length_aware_on_8_devices_equals_dense_on_one(folder, policy, layout):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("kw", [dict(greedy=True), dict(temperature=0.8)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 4}], ids=["1device", "data2xfsdp4"])
+def test_equals_a_cache_free_reference_with_straight_line_layers(folder, policy, kw, layout):
+    """Length-aware decoding (the decoder's loop over layers, the cache compacted and grown as
+    one array pair) draws the tokens and log-probs of ``reference_generate`` (the whole
+    sequence through straight-line layers at every position, no cache), greedy and seeded,
+    on one device and on 8."""
+    cfg, params, _ = policy
+    sampling = _config(True, **kw)
+    tokens, logprobs, mask = reference_generate(cfg, params, PROMPTS, N, jax.random.key(12), sampling, STOPS)
+    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
+    if layout:
+        cfg, params = load_pretrained(folder, mesh=mesh)
+    roll = Sampler(cfg, mesh).generate(params, PROMPTS, N, jax.random.key(12), sampling, stop_at=STOPS)
+    assert len(roll.decode_loops) > 3  # compacted and grew
+    np.testing.assert_array_equal(roll.response_ids, tokens)
+    np.testing.assert_array_equal(roll.response_mask, mask)
+    np.testing.assert_allclose(roll.logprobs, logprobs, atol=1e-4)
+
+
 def test_compaction_stays_on_each_device(folder):
-    """Compacting and saving rows moves no data between devices: no collective in the compiled
-    resize (which also scatters the previous rows into the outputs) and final scatter."""
+    """Compacting, growing and saving rows moves no data between devices: no collective in the
+    compiled compact (which also scatters the previous rows into the outputs), grow and final
+    scatter."""
     mesh = shd.make_mesh({"data": 2, "fsdp": 4})
     cfg, params = load_pretrained(folder, mesh=mesh)
     sampler, sampling = Sampler(cfg, mesh), _config(True)
     state = sampler.start(params, sampler.pad_prompts(PROMPTS, sampling), N, jax.random.key(0), sampling, STOPS)
     out = {name: getattr(state, name) for name in ("tokens", "logprobs", "mask", "finished")}
     with shd.activate(mesh):
-        texts = [sampler._resize.lower(state, out, rows=1, slots=state.kv_mask.shape[1] + 4).compile().as_text(),
-                 sampler._scatter.lower(out, state).compile().as_text()]
+        texts = [sampler._compact.lower(state, out, rows=1).compile().as_text(),
+                 sampler._grow.lower(state, slots=state.kv_mask.shape[1] + 4).compile().as_text(),
+                 sampler._scatter.lower(out, row_fields(state)).compile().as_text()]
     for text in texts:
         assert not [op for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce") if op in text]
 
@@ -152,8 +176,8 @@ def test_compiled_programs_stay_within_the_buckets(policy):
 
 def test_phase_ends_and_invalid_stop_at(policy):
     ends = lambda r, **kw: SamplingConfig(max_response_len=r, **kw).phase_ends()
-    assert ends(4096) == (512, 1024, 2048, 4096) and ends(1000) == (128, 256, 512, 1000)  # R / 8, doubling
-    assert ends(4097) == (1024, 2048, 4097)  # no last phase that would grow the cache by one slot
+    assert ends(4096) == (1024, 2048, 4096) and ends(1000) == (256, 512, 1000)  # R / 4, doubling
+    assert ends(4097) == (2048, 4097)  # no last phase that would grow the cache by one slot
     assert ends(1000, phase_tokens=512) == (512, 1000) and ends(100, phase_tokens=512) == (100,)
     assert ends(4096, length_aware=False) == (4096,)
     cfg, params, sampler = policy

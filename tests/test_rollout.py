@@ -14,6 +14,7 @@ from arlopti_jax.models import logits as _logits
 from arlopti_jax.models import token_logprobs as _token_logprobs
 from arlopti_jax.rollout import Sampler, SamplingConfig, bucket
 from hf_fixtures import VOCAB, write_hf_model
+from reference_sampler import reference_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
 R = 12
@@ -192,13 +193,12 @@ def test_sharded_generation_equals_unsharded(folder, policy, layout):
     # the KV cache: batch over data x fsdp, kv heads over tensor
     batch = sampler.pad_prompts(PROMPTS, sampling)
     state = sampler.start(params, batch, 2, jax.random.key(8), sampling)
-    assert len(state.cache) == cfg.num_layers
-    k = state.cache[1]["k"]
+    k = state.cache["k"]
     assert k.sharding.is_equivalent_to(sampler.cache_sharding, k.ndim)
-    assert sampler.cache_sharding.spec == P(("data", "fsdp"), "tensor", None, None)
-    rows, heads, slots, dim = k.shape
-    assert k.addressable_shards[0].data.shape == (rows // shd.batch_divisor(mesh), heads // mesh.shape["tensor"],
-                                                  slots, dim)
+    assert sampler.cache_sharding.spec == P(None, ("data", "fsdp"), "tensor", None, None)
+    layers, rows, heads, slots, dim = k.shape
+    assert k.addressable_shards[0].data.shape == (layers, rows // shd.batch_divisor(mesh),
+                                                  heads // mesh.shape["tensor"], slots, dim)
     assert state.tokens.addressable_shards[0].data.shape[0] == rows // shd.batch_divisor(mesh)
 
     # the sampler reads the trainer's params in their own shardings (no gather, no copy)
@@ -211,6 +211,26 @@ def test_sharded_generation_equals_unsharded(folder, policy, layout):
                            got_sh, want_sh, params)
     q = params["layers"]["attn"]["q_kernel"]
     assert q.addressable_shards[0].data.size == q.size // (mesh.shape["fsdp"] * mesh.shape["tensor"])
+
+
+@pytest.mark.parametrize("kw", [dict(greedy=True), dict(temperature=0.8, top_k=20)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("layout", [{}, {"fsdp": 4, "tensor": 2}], ids=["1device", "fsdp4xtensor2"])
+def test_equals_a_cache_free_reference_with_straight_line_layers(folder, policy, kw, layout):
+    """The sampler (the decoder's loop over layers, a KV cache, one while loop) draws the tokens
+    and log-probs of ``reference_generate`` (the whole sequence through straight-line layers
+    at every position, no cache), greedy and seeded, on one device and on 8."""
+    cfg, params, _ = policy
+    sampling = SamplingConfig(max_response_len=R, eos_ids=(2, 7), length_aware=False, **kw)
+    stops = np.array([3, 99, 5, 12, 1, 7, 99, 2])  # forced EOS lengths (99: none)
+    tokens, logprobs, mask = reference_generate(cfg, params, PROMPTS, N, jax.random.key(9), sampling, stops)
+    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
+    if layout:
+        cfg, params = load_pretrained(folder, mesh=mesh)
+    roll = Sampler(cfg, mesh).generate(params, PROMPTS, N, jax.random.key(9), sampling, stop_at=stops)
+    np.testing.assert_array_equal(roll.response_ids, tokens)
+    np.testing.assert_array_equal(roll.response_mask, mask)
+    np.testing.assert_allclose(roll.logprobs, logprobs, atol=1e-4)
+    assert roll.lengths.min() < R and roll.lengths.max() == R  # rows ended early, and not
 
 
 def test_buckets_bound_the_compiled_shapes(policy):

@@ -43,11 +43,12 @@ class SamplingConfig:
                       slots and every row to the end, the reference it is tested against
                       (same tokens and log-probs).
     phase_tokens      response slots of the first phase (length_aware); each next phase
-                      doubles them, up to max_response_len. 0: max_response_len / 8, rounded
-                      up to a power of two (four phases).
+                      doubles them, up to max_response_len. 0: max_response_len / 4, rounded
+                      up to a power of two (three phases: each phase is one more compiled
+                      decode loop per row count; bench/compile_time.py).
     min_rows          rows per device below which the batch is not compacted further
                       (length_aware): on accelerators a decode step over fewer rows costs
-                      about the same, and every row count is one more compiled program.
+                      about the same, and every row count is one more compiled decode loop per phase.
     """
 
     max_response_len: int
@@ -61,7 +62,7 @@ class SamplingConfig:
     batch_bucket: int = 8
     length_aware: bool = True
     phase_tokens: int = 0
-    min_rows: int = 8
+    min_rows: int = 16
 
     def __post_init__(self):
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
@@ -92,7 +93,7 @@ class SamplingConfig:
         cache would still grow by half or more, then max_response_len (one phase, all R
         slots, when not length_aware)."""
         r = self.max_response_len
-        end = (self.phase_tokens or 1 << max(0, (r - 1) // 8).bit_length()) if self.length_aware else r
+        end = (self.phase_tokens or 1 << max(0, (r - 1) // 4).bit_length()) if self.length_aware else r
         ends = []
         while 2 * (r - end) >= end:
             ends.append(end)

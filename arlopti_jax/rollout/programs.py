@@ -1,0 +1,226 @@
+"""The sampler's device programs, jitted by ``Sampler`` (``sampler.py`` says when each runs):
+``prefill``, ``start``, the ``decode`` loop, and the length-aware schedule's ``compact``,
+``grow`` and ``scatter``.
+
+The KV cache is {"k", "v"}: [L, N, K, S, H] (``CACHE_AXES``), and the layers run as the
+decoder's own loop (``Decoder``'s scan, the whole cache in its carry, each layer writing its
+new slots in place), whatever ``ModelConfig.unroll_layers`` says: a program holds one layer
+body, so at the 1.5B shape a decode loop compiles in 1.8 s instead of 9.5 s for 28
+straight-line layers (CPU, docs/benchmarks.md), and on CPU the loop also decoded faster than
+straight-line layers at every shape measured (the embedded default's model 2.1x, 4 layers of
+0.5B's widths 1.08x). ``unroll_layers`` still shapes the training passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models.decoder import CACHE_AXES, Decoder, position_ids
+from arlopti_jax.models.policy import unembed_matrix
+from arlopti_jax.rollout.sampling import sample_tokens
+
+Array = jax.Array
+OUTPUTS = ("tokens", "logprobs", "mask", "finished")
+
+
+class DecodeState(NamedTuple):
+    """The decode loop's carry. N rows (padded prompts x n, fewer after compaction);
+    S = P + e cache slots; R = max_response_len."""
+
+    cache: dict  # {"k", "v"}: [L, N, K, S, H]
+    kv_mask: Array  # [N, S] int32: the prompt mask, then ones over the response slots
+    prompt_len: Array  # [N] int32: position id of response token 0
+    tokens: Array  # [N, R] int32
+    logprobs: Array  # [N, R] float32
+    mask: Array  # [N, R] int32
+    finished: Array  # [N] bool (batch-padding rows start finished)
+    rows: Array  # [N] int32: each row's global index (i * n + j); >= the output rows for filler rows
+    stop_at: Array  # [N] int32: response length at which an EOS is forced (> R: never)
+    prompt_slots: Array  # int32: P, the cache slot of response token 0
+    step: Array  # int32: the next response position to sample
+
+
+def row_fields(state: DecodeState) -> dict:
+    """What ``scatter`` reads of a state: its outputs and its rows' global indices."""
+    return {name: getattr(state, name) for name in OUTPUTS + ("rows",)}
+
+
+def _rows(x: Array) -> Array:
+    return nn.with_logical_constraint(x, ("act_batch",) + (None,) * (x.ndim - 1))
+
+
+def _constrain_cache(cache: dict) -> dict:
+    return {name: nn.with_logical_constraint(c, CACHE_AXES) for name, c in cache.items()}
+
+
+def _constrain(state: DecodeState) -> DecodeState:
+    cache = _constrain_cache(state.cache)
+    rows = {f: _rows(getattr(state, f)) for f in ("kv_mask", "prompt_len", "rows", "stop_at") + OUTPUTS}
+    return state._replace(cache=cache, **rows)
+
+
+def _next_logits(cfg: ModelConfig, params, hidden: Array) -> Array:
+    """float32 logits [B, V] of the last position of hidden [B, T, D]."""
+    w = unembed_matrix(cfg, params)
+    return jnp.einsum("bd,dv->bv", hidden[:, -1], w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def _is_eos(tokens: Array, eos_ids: Array) -> Array:
+    return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
+
+
+def _forward(cfg: ModelConfig, params, tokens: Array, positions: Array, kv_mask: Array, cache: dict,
+             cache_index) -> tuple[Array, dict]:
+    """Final-norm hidden states [B, T, D] and the updated cache, the layers as a loop."""
+    decoder = Decoder(dataclasses.replace(cfg, unroll_layers=False))
+    hidden, cache = decoder.apply({"params": params}, tokens, positions, kv_mask, cache=cache, cache_index=cache_index)
+    return hidden, _constrain_cache(cache)
+
+
+def prefill(cfg: ModelConfig, params, prompt_ids: Array, prompt_mask: Array):
+    """Each prompt once through the decoder: its cache of P slots and its next-token logits."""
+    b, p = prompt_ids.shape
+    shape = (cfg.num_layers, b, cfg.num_kv_heads, p, cfg.head_dim)
+    empty = _constrain_cache({"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)})
+    hidden, cache = _forward(cfg, params, prompt_ids, position_ids(prompt_mask), prompt_mask, empty, 0)
+    return cache, _rows(_next_logits(cfg, params, hidden))
+
+
+def _sample(logits, key, step, rows, stop_at, eos_ids, temperature, top_p, kernel):
+    top_k, use_top_p, greedy, _ = kernel
+    forced = jnp.where(step + 1 >= stop_at, eos_ids[0], -1)
+    return sample_tokens(logits, key, step, rows, temperature, top_p, top_k=top_k, use_top_p=use_top_p,
+                         greedy=greedy, forced=forced)
+
+
+def start(prompt_cache: dict, logits: Array, prompt_mask: Array, live: Array, stop_at: Array, key: Array,
+          temperature: Array, top_p: Array, eos_ids: Array, *, n: int, max_len: int, slots: int,
+          kernel: tuple) -> DecodeState:
+    """The prompts' cache repeated to their n samples and widened to ``slots``; every sample
+    draws its first token from the shared prefill logits."""
+    pad_id = kernel[3]
+    prompt_slots = prompt_mask.shape[1]
+    widen = ((0, 0), (0, 0), (0, 0), (0, slots - prompt_slots), (0, 0))
+    cache = {name: jnp.pad(jnp.repeat(c, n, axis=1), widen) for name, c in prompt_cache.items()}
+    mask_n = jnp.repeat(prompt_mask, n, axis=0)
+    count = mask_n.shape[0]
+    live = jnp.repeat(live, n, axis=0)
+    rows = jnp.arange(count, dtype=jnp.int32)
+    tok, lp = _sample(jnp.repeat(logits, n, axis=0), key, 0, rows, stop_at, eos_ids, temperature, top_p, kernel)
+    tok = jnp.where(live, tok, pad_id)
+    state = DecodeState(
+        cache=cache,
+        kv_mask=jnp.concatenate([mask_n, jnp.ones((count, slots - prompt_slots), mask_n.dtype)], axis=1),
+        prompt_len=jnp.sum(mask_n, axis=1, dtype=jnp.int32),
+        tokens=jnp.full((count, max_len), pad_id, jnp.int32).at[:, 0].set(tok),
+        logprobs=jnp.zeros((count, max_len), jnp.float32).at[:, 0].set(jnp.where(live, lp, 0.0)),
+        mask=jnp.zeros((count, max_len), jnp.int32).at[:, 0].set(live.astype(jnp.int32)),
+        finished=~live | _is_eos(tok, eos_ids),
+        rows=rows,
+        stop_at=stop_at,
+        prompt_slots=jnp.int32(prompt_slots),
+        step=jnp.ones((), jnp.int32),
+    )
+    return _constrain(state)
+
+
+def _busiest(finished: Array, devices: int) -> Array:
+    """The most unfinished rows any one device holds (rows are split evenly over ``devices``)."""
+    return jnp.max(jnp.sum(~finished.reshape(devices, -1), axis=1, dtype=jnp.int32))
+
+
+def decode(cfg: ModelConfig, params, state: DecodeState, key: Array, temperature: Array, top_p: Array,
+           eos_ids: Array, compact_at: Array, *, kernel: tuple, devices: int) -> tuple[DecodeState, Array]:
+    """Decode until R tokens, a full cache, or no device holds more than ``compact_at``
+    unfinished rows (0: until every row has finished). Returns the state and [step, busiest]."""
+    pad_id = kernel[3]
+    max_len = state.tokens.shape[1]
+    limit = jnp.minimum(max_len, state.kv_mask.shape[1] - state.prompt_slots)
+
+    def cond(s: DecodeState):
+        return (s.step < limit) & (_busiest(s.finished, devices) > compact_at)
+
+    def body(s: DecodeState) -> DecodeState:
+        t = s.step
+        prev = jax.lax.dynamic_slice_in_dim(s.tokens, t - 1, 1, axis=1)
+        pos = (s.prompt_len + t - 1)[:, None]
+        hidden, cache = _forward(cfg, params, prev, pos, s.kv_mask, s.cache, s.prompt_slots + t - 1)
+        tok, lp = _sample(_next_logits(cfg, params, hidden), key, t, s.rows, s.stop_at, eos_ids, temperature,
+                          top_p, kernel)
+        alive = ~s.finished
+        tok = jnp.where(alive, tok, pad_id)
+        put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), t, axis=1)
+        return _constrain(s._replace(
+            cache=cache,
+            tokens=put(s.tokens, tok),
+            logprobs=put(s.logprobs, jnp.where(alive, lp, 0.0)),
+            mask=put(s.mask, alive),
+            finished=s.finished | _is_eos(tok, eos_ids),
+            step=t + 1,
+        ))
+
+    state = jax.lax.while_loop(cond, body, _constrain(state))
+    return state, jnp.stack([state.step, _busiest(state.finished, devices)])
+
+
+def scatter(out: dict, part: dict, devices: int) -> dict:
+    """Write a state's rows (``row_fields``) into the [N, R] outputs at their global indices.
+    A row never leaves its device (``compact``), so each device writes into its own block of
+    rows (filler rows, whose index is out of range, are dropped)."""
+    per_out, per = out["tokens"].shape[0] // devices, part["rows"].shape[0] // devices
+    local = part["rows"].reshape(devices, per) - per_out * jnp.arange(devices, dtype=jnp.int32)[:, None]
+    local = jnp.where((local >= 0) & (local < per_out), local, per_out)
+
+    def put(buf: Array, new: Array) -> Array:
+        split = buf.reshape((devices, per_out) + buf.shape[1:])
+        rows = new.reshape((devices, per) + new.shape[1:])
+        done = jax.vmap(lambda b, i, x: b.at[i].set(x, mode="drop"))(split, local, rows)
+        return _rows(done.reshape(buf.shape))
+
+    return {name: put(out[name], part[name]) for name in OUTPUTS}
+
+
+def compact(state: DecodeState, out: dict | None, *, rows: int, devices: int):
+    """Save every row into ``out`` (the state's own arrays when None: nothing compacted yet),
+    then keep ``rows`` of each device's rows, its unfinished ones first (filler: finished
+    rows, marked out of range). The cache keeps its slots."""
+    out = {name: _rows(getattr(state, name)) for name in OUTPUTS} if out is None else scatter(
+        out, row_fields(state), devices)
+    count = state.finished.shape[0]
+    per = count // devices
+    # a stable sort of each device's own rows, unfinished first: a gather that stays on the device
+    order = jnp.argsort(state.finished.reshape(devices, per), axis=1, stable=True)[:, :rows]
+
+    def take(x: Array, axis: int = 0) -> Array:
+        split = x.reshape(x.shape[:axis] + (devices, per) + x.shape[axis + 1:])
+        index = order.reshape((1,) * axis + (devices, rows) + (1,) * (x.ndim - axis - 1))
+        picked = jnp.take_along_axis(split, index, axis=axis + 1)
+        return picked.reshape(x.shape[:axis] + (devices * rows,) + x.shape[axis + 1:])
+
+    finished = take(state.finished)
+    new = state._replace(
+        cache={name: take(c, axis=1) for name, c in state.cache.items()},
+        kv_mask=take(state.kv_mask),
+        prompt_len=take(state.prompt_len),
+        tokens=take(state.tokens),
+        logprobs=take(state.logprobs),
+        mask=take(state.mask),
+        finished=finished,
+        rows=jnp.where(finished, out["tokens"].shape[0], take(state.rows)),
+        stop_at=take(state.stop_at),
+    )
+    return _constrain(new), out
+
+
+def grow(state: DecodeState, *, slots: int) -> DecodeState:
+    """The state with ``slots`` cache slots: the new ones empty and attendable (kv_mask 1)."""
+    extra = slots - state.kv_mask.shape[1]
+    cache = {name: jnp.pad(c, ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))) for name, c in state.cache.items()}
+    return _constrain(state._replace(cache=cache, kv_mask=jnp.pad(state.kv_mask, ((0, 0), (0, extra)),
+                                                                  constant_values=1)))
