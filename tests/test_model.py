@@ -104,7 +104,7 @@ def test_token_logprobs_gradient_matches_naive(tmp_path):
         ent = -jnp.sum(jnp.exp(lg) * lg, -1)[:, :-1]
         return jnp.sum(lp * mask[:, 1:]) + 0.1 * jnp.sum(ent * mask[:, 1:])
 
-    g1, g2 = jax.grad(chunked)(params), jax.grad(naive)(params)
+    g1, g2 = jax.jit(jax.grad(chunked))(params), jax.jit(jax.grad(naive))(params)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), g1, g2)
 
 
@@ -169,8 +169,8 @@ def test_remat_gives_same_logits_and_gradients(tmp_path):
         lp, _ = token_logprobs(c, p, ids, mask)
         return jnp.sum(lp * mask)
 
-    plain = jax.value_and_grad(lambda p: loss(cfg, p))(params)
-    remat = jax.value_and_grad(lambda p: loss(cfg.replace(remat=True), p))(params)
+    plain = jax.jit(jax.value_and_grad(lambda p: loss(cfg, p)))(params)
+    remat = jax.jit(jax.value_and_grad(lambda p: loss(cfg.replace(remat=True), p)))(params)
     np.testing.assert_allclose(plain[0], remat[0], rtol=1e-6)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), plain[1], remat[1])
 
@@ -267,10 +267,10 @@ def test_causal_blocks_equal_plain_attention_forward_and_backward():
     s = np.where(m[:, None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), np.repeat(v, n // kv, axis=2))
-    got = _causal_blocks(*(jnp.asarray(x) for x in (q, k, v)), mask, 0.3)
+    got = jax.jit(lambda *a: _causal_blocks(*a, mask, 0.3))(*(jnp.asarray(x) for x in (q, k, v)))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
     w = rng.normal(0, 1, (b, t, n, h)).astype(np.float32)
-    grads = [jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(*(jnp.asarray(x) for x in (q, k, v)))
+    grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(*(jnp.asarray(x) for x in (q, k, v)))
              for f in (lambda *a: _causal_blocks(*a, mask, 0.3), plain)]
     for g_blocked, g_plain in zip(*grads):
         np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_plain), atol=2e-5)
