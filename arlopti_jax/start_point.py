@@ -106,11 +106,14 @@ def compact_rows(n_people: int, count: int, seed: int) -> list[dict]:
     return rows
 
 
+ANSWER_OPENING = "</think>\n<answer>"  # how a block answer opens (the prompt ends with <think>)
+
+
 def sft_target(row: dict, tagged: bool = True) -> str:
     """The warm start's target: the right answer in the ``<answer>`` block the reward reads
     (tagged), or the same assignment as a sentence, which the reward scores as a format failure."""
     if tagged:
-        return f"</think>\n<answer>{row['solution_text_format']}</answer>"
+        return f"{ANSWER_OPENING}{row['solution_text_format']}</answer>"
     return f"</think>\n{row['solution_text']}"
 
 
