@@ -27,8 +27,9 @@ VARIANTS = {  # name: (label, weighting, ar alpha, lopti eta)
 # + EOS with start_point's tokenizer (over the 48k SFT and 300 test rows); 16 prompts x 8
 # responses per step, 2 optimizer steps of 64 (4 with Lopti); a lower learning rate for the 30x
 # larger model; layers as a loop and the dense sampler (one decode program per batch shape
-# instead of one per phase and row count: on CPU with these settings, 3 decode programs instead
-# of 12 decode and 6 resize programs, and a first step and evaluation compiled in 24 s less),
+# instead of one per phase and row count: on CPU with these settings and the sampler of
+# 2026-11-22, 3 decode programs instead of 12 decode and 6 resize programs, and a first step
+# and evaluation compiled in 24 s less),
 # since compiles, not the few sampled tokens, are what a short sweep on an accelerator spends
 # its time on.
 SCALE_RUNS = {

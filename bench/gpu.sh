@@ -2,7 +2,7 @@
 # The GPU measurements of docs/benchmarks.md, in the groups one lease runs per command.
 #
 #   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
-#   bash bench/gpu.sh decode      # sampler tokens/s and HBM roofline fraction; train-step MFU; cuDNN probe
+#   bash bench/gpu.sh decode      # sampler compile time; train-step MFU; cuDNN probe
 #   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
 #   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/reproduction.md), 5 runs at once
@@ -45,6 +45,10 @@ case "${1:-}" in
   setup) setup ;;
   decode)
     setup
+    # every sampler program at 1.5B (the length-aware one timed out at 150 s on the first lease), then
+    # again from the persistent cache
+    run compile_1.5b 150 bench/compile_time.py --shapes 1.5b --devices 1 --prompts 8 --only sampler --cache-dir /tmp/cc
+    run compile_1.5b_cached 60 bench/compile_time.py --shapes 1.5b --devices 1 --prompts 8 --only sampler --cache-dir /tmp/cc
     run attention_probe 90 bench/attention_probe.py --rows 4 --tokens 4096 --segments 4
     run train_step_1.5b 130 bench/train_step.py --shape 1.5b --batch 32 --seq 1024 --micro 4 --steps 3 \
       --dtype bfloat16 --remat --skip-rollout-batch

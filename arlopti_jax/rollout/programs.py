@@ -5,10 +5,11 @@
 The KV cache is {"k", "v"}: [L, N, K, S, H] (``CACHE_AXES``), and the layers run as the
 decoder's own loop (``Decoder``'s scan, the whole cache in its carry, each layer writing its
 new slots in place), whatever ``ModelConfig.unroll_layers`` says: a program holds one layer
-body, so at the 1.5B shape a decode loop compiles in 1.8 s instead of 9.5 s for 28
-straight-line layers (CPU, docs/benchmarks.md), and on CPU the loop also decoded faster than
-straight-line layers at every shape measured (the embedded default's model 2.1x, 4 layers of
-0.5B's widths 1.08x). ``unroll_layers`` still shapes the training passes.
+body, so its compile time no longer grows with the layer count (all sampler programs at 1.5B:
+20 s instead of 186 s on CPU, docs/benchmarks.md). The price, on CPU: a decode step of 4
+layers at 0.5B's widths took 1.14x the straight-line layers' time (interleaved runs of
+bench/rollout.py; the embedded default's model: within the runs' noise). ``unroll_layers``
+still shapes the training passes.
 """
 
 from __future__ import annotations
