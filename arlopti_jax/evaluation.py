@@ -194,6 +194,19 @@ def write_generations(folder: Path, name: str, records: list[dict]) -> Path:
     return path
 
 
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Keep the records of ``path`` up to ``last_step`` (-1: none): a run resumed from the
+    checkpoint of ``last_step`` (or restarted) writes the later steps again, once each."""
+    if jax.process_index() != 0 or not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    if len(keep) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+
+
 def append_jsonl(path: Path, record: dict) -> None:
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

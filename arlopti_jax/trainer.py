@@ -22,7 +22,7 @@ from arlopti_jax import algos, run_setup
 from arlopti_jax import distributed as dist
 from arlopti_jax.checkpoint import PreemptionFlag
 from arlopti_jax.collect import Collector
-from arlopti_jax.evaluation import Evaluator, append_jsonl, compare_table, format_table, is_correct
+from arlopti_jax.evaluation import Evaluator, append_jsonl, compare_table, format_table, is_correct, trim_jsonl
 from arlopti_jax.metrics import MetricsWriter, Timer, mfu
 from arlopti_jax.models import save_pretrained
 from arlopti_jax.rollout import Sampler
@@ -95,6 +95,8 @@ def train(config) -> dict:
         iterator.load_state_dict(meta["data"])
         log.info("resumed from %s/%d", ckpt.directory, start_step)
     policy.params = None  # the trainer owns params from here (donated each step)
+    for name in ("metrics.jsonl", "eval.jsonl"):  # the steps after the checkpoint are written again
+        trim_jsonl(run_dir / name, start_step if restored is not None else -1)
 
     sampler = Sampler(model_cfg, mesh)
     tokens = run_setup.tokens_per_micro_batch(config, mesh)  # per device: the update packs sequences

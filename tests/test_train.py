@@ -91,6 +91,9 @@ def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
     got = step_metrics(tmp_path / "b")
     for step in (1, 2, 3, 4):
         assert got[step] == want[step], f"step {step} differs after resume"
+    # the steps after checkpoint 2 that the killed process had logged were dropped, not repeated
+    steps = lambda run: [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps(tmp_path / "b") == steps(tmp_path / "a")
 
 
 def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, tmp_path, capsys):
@@ -258,3 +261,18 @@ def test_export_and_eval_clis(start_point, tmp_path):
         assert value == pytest.approx(jsonl[step]["reward/mean"], rel=1e-6)
     png = plot(tmp_path / "e", tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint(tmp_path):
+    """The records of steps after the restored checkpoint (written before a crash) are dropped,
+    so the resumed run writes each step once; a restart from scratch (-1) drops them all."""
+    from arlopti_jax.evaluation import trim_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 1, 2, 2, 3, 4)))
+    trim_jsonl(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 2]
+    trim_jsonl(path, -1)
+    assert path.read_text() == ""
+    trim_jsonl(tmp_path / "absent.jsonl", 3)  # nothing to trim
+    assert not (tmp_path / "absent.jsonl").exists()
