@@ -18,6 +18,10 @@ import pytest
 
 from arlopti_jax.reproduce import VARIANTS
 
+# One xdist worker runs this file: its sweeps are module fixtures, which every worker running
+# one of their tests would otherwise build again (the quick sweep twice: 196 s + 239 s in CI)
+pytestmark = pytest.mark.xdist_group("reproduce")
+
 
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
