@@ -159,8 +159,8 @@ FIELD_DOCS = {
     "model.remat": "rematerialise each layer in the backward pass",
     "model.attention": "training and prefill attention: 'auto' (cuDNN's fused kernel on a GPU with a 16-bit "
                        "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
-    "model.unroll_layers": "layers as straight-line code instead of a scanned loop: faster small models on CPU, "
-                           "longer compiles",
+    "model.unroll_layers": "layers as straight-line code instead of a scanned loop in the training passes: faster "
+                           "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py)",
     "model.logprob_chunk": "targets per packed row in each vocabulary-projection chunk (no [B, T, V] tensor is held; "
                            "up to 64 MiB of target logits per device are projected in one piece)",
     "data.train_files": "comma-separated parquet/jsonl files or folders",
