@@ -4,6 +4,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch (the parity references) on one thread: its OpenMP threads spin-wait, and beside the other
+# xdist worker on 2 cores that made a 40-token transformers generate take 96 s instead of 6 s
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 

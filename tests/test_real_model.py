@@ -22,20 +22,21 @@ from arlopti_jax.models import load_pretrained, logits, save_pretrained, token_l
 from arlopti_jax.rollout import Sampler, SamplingConfig
 from real_model_fixtures import chat_prompts, converted_folder, gguf_file
 
-# one xdist worker runs them all: the converted model, its compiled programs and the sampled
-# rollout are then built once
+# one xdist worker runs them all, and the fixtures are per session: the converted model, its
+# compiled programs and the sampled rollout are then built once (a module fixture is rebuilt
+# whenever the worker runs another file's test in between)
 pytestmark = pytest.mark.xdist_group("real_model")
 EOS = 2  # <|im_end|>
 R = 40
 jit_logits = jax.jit(logits, static_argnums=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def folder(tmp_path_factory):
     return converted_folder(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model(folder):
     from transformers import AutoTokenizer
 
@@ -45,7 +46,7 @@ def model(folder):
     return cfg, params, mesh, tokenizer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prompts(model):
     return chat_prompts(model[3])
 
@@ -118,7 +119,7 @@ def test_greedy_sampler_equals_transformers_generate(folder, model, prompts):
     assert ours.truncated.any() and not ours.truncated.all()  # both ways of ending: EOS and the length limit
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sampled(model, prompts):
     """Two samples of every prompt at temperature 0.7 (rows 2i, 2i + 1: prompt i)."""
     cfg, params, mesh, _ = model

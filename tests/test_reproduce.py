@@ -18,8 +18,9 @@ import pytest
 
 from arlopti_jax.reproduce import VARIANTS
 
-# One xdist worker runs this file: its sweeps are module fixtures, which every worker running
-# one of their tests would otherwise build again (the quick sweep twice: 196 s + 239 s in CI)
+# One xdist worker runs this file, and its sweeps are session fixtures: a module fixture is torn
+# down whenever the worker runs another file's test in between, and was built twice that way
+# (150 s + 158 s of set-up in a fresh-clone run); every worker would build its own otherwise
 pytestmark = pytest.mark.xdist_group("reproduce")
 
 
@@ -36,7 +37,7 @@ def run_quick(out: Path, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=900)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce")
     proc = run_quick(out)
@@ -142,7 +143,7 @@ def run_jobs(out: Path) -> subprocess.CompletedProcess:
                      "--diagnostics-every", "0")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def jobs_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("jobs")
     proc = run_jobs(out)
