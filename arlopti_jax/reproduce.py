@@ -5,6 +5,7 @@
     python -m arlopti_jax.reproduce --out runs/repro --seeds 0,1,2 --variants grpo,grpo_ar_lopti
     python -m arlopti_jax.reproduce --scale gpu --jobs 5  # on one GPU: 3-5 people, a 24M model, 5 runs at once
     python -m arlopti_jax.reproduce --scale smollm2       # a real pretrained model (docs/real_model.md)
+    python -m arlopti_jax.reproduce --scale smollm2 --variants grpo_2x_steps   # Lopti's step count, for GRPO
 
 Every run trains the embedded default's start point (``start_point.py``, built once in
 ``OUT/start_point``) on the same data with the same budget (``default_config.py``, steps set
@@ -53,7 +54,7 @@ import sys
 from pathlib import Path
 
 from arlopti_jax.cli import startup_done
-from arlopti_jax.sweep import QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
+from arlopti_jax.sweep import PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
 from arlopti_jax.sweep_report import mechanism, mechanism_table, summary_table, write_report
 
 
@@ -73,7 +74,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arlopti_jax.reproduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/reproduce", help="output folder (default: %(default)s)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(PAPER_VARIANTS),
+                    help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: the paper's five; "
+                         "grpo_2x_steps is a control: GRPO with the mini-batch halved, as many optimizer steps "
+                         "per RL step as Lopti's two passes)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: %(default)s)")
     ap.add_argument("--scale", default="cpu", choices=list(SCALE_RUNS),
                     help="start point and run settings: cpu (2-3 people, 0.85M model), gpu (3-5 people, "

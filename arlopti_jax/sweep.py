@@ -6,6 +6,7 @@ The report (tables and figures) is ``sweep_report.py``'s."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -20,7 +21,11 @@ VARIANTS = {  # name: (label, weighting, ar alpha, lopti eta)
     "grpo_lopti": ("GRPO + Lopti", "none", 0.0, 0.4),
     "grpo_ar_lopti": ("GRPO + AR + Lopti", "ar", 0.3, 0.5),
     "tr_grpo": ("TR-GRPO", "tr", 0.0, 0.0),
+    # a control, not a method: GRPO with the mini-batch halved, so that it takes as many optimizer
+    # steps per RL step as Lopti's two passes do (docs/real_model.md, section 5)
+    "grpo_2x_steps": ("GRPO, 2x optimizer steps", "none", 0.0, 0.0),
 }
+PAPER_VARIANTS = ("grpo", "grpo_ar", "grpo_lopti", "grpo_ar_lopti", "tr_grpo")  # reproduce's default
 # Per start point scale: RL steps per run (None: the default config's) and the default config's
 # fields that change; the compute dtype is the start point's (start_point.SCALES). gpu: 5-person
 # prompts are at most 178 tokens and the longest SFT target (a 5-person answer block) 43 tokens
@@ -115,6 +120,11 @@ def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, 
     c.data.train_files = str(start_point / "data" / "train.parquet")
     c.data.test_files = ",".join(str(p) for p in sorted((start_point / "data").glob("test_*.parquet")))
     c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta
+    if variant == "grpo_2x_steps":
+        if c.train.mini_batch % 2:
+            raise ValueError(f"variant grpo_2x_steps halves train.mini_batch, which is odd ({c.train.mini_batch})")
+        c.train.mini_batch //= 2
+        c.train.micro_batch = math.gcd(c.train.micro_batch, c.train.mini_batch)
     c.train.max_steps = steps
     c.train.eval_every = max(1, min(c.train.eval_every, steps))
     c.train.save_every = max(1, min(c.train.save_every, steps))

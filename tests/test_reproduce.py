@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from arlopti_jax.reproduce import VARIANTS
+from arlopti_jax.sweep import PAPER_VARIANTS
 
 # One xdist worker runs this file, and its sweeps are session fixtures: a module fixture is torn
 # down whenever the worker runs another file's test in between, and was built twice that way
@@ -53,7 +54,7 @@ def test_quick_sweep_writes_the_table_and_figures(sweep):
     assert header[0] == "method" and header[-1] == "avg" and len(header) >= 4  # at least two test sets
     body = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")[1:]] for r in rows[1:]}
     assert "start point (before RL)" in body
-    for label, *_ in VARIANTS.values():
+    for label, *_ in (VARIANTS[v] for v in PAPER_VARIANTS):
         cells = body[f"+ {label} (n=1)"]
         assert len(cells) == len(header) - 1
         for cell in cells:
@@ -67,7 +68,25 @@ def test_quick_sweep_writes_the_table_and_figures(sweep):
     assert len(mech) == 3 and all(len(line.strip("|").split("|")) == 6 for line in mech)  # norms, 2 isolation rows
     assert "![curves](curves.png)" in report and "Command: `python -m arlopti_jax.reproduce --quick" in report
     results = json.loads((out / "results.json").read_text())
-    assert len(results["runs"]) == len(VARIANTS) and all(r["finished"] for r in results["runs"].values())
+    assert len(results["runs"]) == len(PAPER_VARIANTS) and all(r["finished"] for r in results["runs"].values())
+
+
+@pytest.mark.parametrize("scale", ["cpu", "smollm2", "smollm2-gpu"])
+def test_the_step_count_control_is_grpo_with_as_many_optimizer_steps_as_lopti(scale, tmp_path):
+    from arlopti_jax.sweep import base_config, run_config
+
+    def config(variant):
+        c = run_config(base_config(scale), variant, 0, tmp_path / variant, tmp_path / "sp", 8, 0, 0, False, scale)
+        c.run_dir = c.train.mini_batch = c.train.micro_batch = None  # compared below
+        return c
+
+    def steps_per_rl_step(variant):  # optimizer steps: one per mini-batch per update pass
+        c = run_config(base_config(scale), variant, 0, tmp_path, tmp_path / "sp", 8, 0, 0, False, scale)
+        assert c.train.mini_batch % c.train.micro_batch == 0
+        return (2 if c.algo.lopti_eta else 1) * (c.train.batch_prompts * c.rollout.n) // c.train.mini_batch
+
+    assert steps_per_rl_step("grpo_2x_steps") == steps_per_rl_step("grpo_lopti") == 2 * steps_per_rl_step("grpo")
+    assert config("grpo_2x_steps").to_dict() == config("grpo").to_dict()  # nothing else differs
 
 
 def test_a_second_invocation_resumes(sweep):
