@@ -84,3 +84,21 @@ def test_sampled_evaluation_uses_eval_temperature(start_point, tmp_path):
     hot_eval, _ = evaluate(5.0)
     hot = hot_eval.sampler.generate(policy.params, prompts, 1, jax.random.key(1), hot_eval.sampled)
     assert hot.responses() != greedy.responses()
+
+
+@pytest.mark.parametrize("scale", ["cpu", "smollm2", "smollm2-gpu"])
+def test_the_step_count_control_is_grpo_with_as_many_optimizer_steps_as_lopti(scale, tmp_path):
+    from arlopti_jax import sweep
+
+    def config(variant):
+        c = sweep.run_config(sweep.base_config(scale), variant, 0, tmp_path, tmp_path / "sp", 8, 0, 0, False, scale)
+        c.run_dir = c.train.mini_batch = c.train.micro_batch = None  # compared below
+        return c
+
+    def steps_per_rl_step(variant):  # optimizer steps: one per mini-batch per update pass
+        c = sweep.run_config(sweep.base_config(scale), variant, 0, tmp_path, tmp_path / "sp", 8, 0, 0, False, scale)
+        assert c.train.mini_batch % c.train.micro_batch == 0
+        return (2 if c.algo.lopti_eta else 1) * (c.train.batch_prompts * c.rollout.n) // c.train.mini_batch
+
+    assert steps_per_rl_step("grpo_2x_steps") == steps_per_rl_step("grpo_lopti") == 2 * steps_per_rl_step("grpo")
+    assert config("grpo_2x_steps").to_dict() == config("grpo").to_dict()  # nothing else differs
