@@ -15,17 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {  # name: (label, weighting, ar alpha, lopti eta)
-    "grpo": ("GRPO", "none", 0.0, 0.0),
-    "grpo_ar": ("GRPO + AR", "ar", 0.2, 0.0),
-    "grpo_lopti": ("GRPO + Lopti", "none", 0.0, 0.4),
-    "grpo_ar_lopti": ("GRPO + AR + Lopti", "ar", 0.3, 0.5),
-    "tr_grpo": ("TR-GRPO", "tr", 0.0, 0.0),
+VARIANTS = {  # name: (label, weighting, ar alpha, lopti eta, mini-batch divisor: x optimizer steps)
+    "grpo": ("GRPO", "none", 0.0, 0.0, 1),
+    "grpo_ar": ("GRPO + AR", "ar", 0.2, 0.0, 1),
+    "grpo_lopti": ("GRPO + Lopti", "none", 0.0, 0.4, 1),
+    "grpo_ar_lopti": ("GRPO + AR + Lopti", "ar", 0.3, 0.5, 1),
+    "tr_grpo": ("TR-GRPO", "tr", 0.0, 0.0, 1),
     # a control, not a method: GRPO with the mini-batch halved, so that it takes as many optimizer
     # steps per RL step as Lopti's two passes do (docs/real_model.md, section 5)
-    "grpo_2x_steps": ("GRPO, 2x optimizer steps", "none", 0.0, 0.0),
+    "grpo_2x_steps": ("GRPO, 2x optimizer steps", "none", 0.0, 0.0, 2),
 }
-PAPER_VARIANTS = ("grpo", "grpo_ar", "grpo_lopti", "grpo_ar_lopti", "tr_grpo")  # reproduce's default
+PAPER_VARIANTS = tuple(name for name, v in VARIANTS.items() if v[4] == 1)  # reproduce's default: the methods
 # Per start point scale: RL steps per run (None: the default config's) and the default config's
 # fields that change; the compute dtype is the start point's (start_point.SCALES). gpu: 5-person
 # prompts are at most 178 tokens and the longest SFT target (a 5-person answer block) 43 tokens
@@ -107,7 +107,7 @@ def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, 
                diagnostics_every: int, eval_before: bool, scale: str = "cpu", dtype: str = "float32"):
     """The scale's base config (``base_config``) with the scale's changes, one variant's method, a
     seed, the shared start point (computing in ``dtype``, as its warm start did) and the budget."""
-    _, weighting, alpha, eta = VARIANTS[variant]
+    _, weighting, alpha, eta, step_factor = VARIANTS[variant]
     c = base.copy_and_resolve_references()
     for field, value in SCALE_RUNS[scale]["config"].items():
         section, name = field.split(".")
@@ -120,10 +120,10 @@ def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, 
     c.data.train_files = str(start_point / "data" / "train.parquet")
     c.data.test_files = ",".join(str(p) for p in sorted((start_point / "data").glob("test_*.parquet")))
     c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta
-    if variant == "grpo_2x_steps":
-        if c.train.mini_batch % 2:
-            raise ValueError(f"variant grpo_2x_steps halves train.mini_batch, which is odd ({c.train.mini_batch})")
-        c.train.mini_batch //= 2
+    if step_factor > 1:  # smaller mini-batches, more optimizer steps; the micro-batch fitted to them
+        if c.train.mini_batch % step_factor:
+            raise ValueError(f"variant {variant} divides train.mini_batch ({c.train.mini_batch}) by {step_factor}")
+        c.train.mini_batch //= step_factor
         c.train.micro_batch = math.gcd(c.train.micro_batch, c.train.mini_batch)
     c.train.max_steps = steps
     c.train.eval_every = max(1, min(c.train.eval_every, steps))
