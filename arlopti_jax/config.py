@@ -20,6 +20,8 @@ WEIGHTINGS = ("none", "ar", "tr")
 LOPTI_SPLITS = ("threshold", "quantile")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_MODES = ("ppo", "cispo")
+RATIO_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "warmup_cosine")
 DTYPES = ("float32", "bfloat16")
 PROMPT_STYLES = ("auto", "template", "messages")
@@ -77,6 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.tr_max = 1.0
     c.algo.lopti_eta = 0.0  # 0 = off; >0 low-probability pass first; <0 high-probability pass first
     c.algo.lopti_split = "threshold"  # threshold on pi_old, or the eta-quantile of the batch
+    c.algo.entropy_top_fraction = 0.0  # "80/20": policy gradient on the batch's top fraction by entropy; 0 = off
     # DAPO's dynamic sampling and soft overlong penalty; both off, so the paper's runs are unchanged
     c.algo.filter_groups = False
     c.algo.max_sample_rounds = 4
@@ -91,6 +94,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.loss.kl_type = "low_var_kl"
     c.loss.entropy_coef = 0.0
     c.loss.agg = "token-mean"
+    c.loss.mode = "ppo"  # ppo | cispo (MiniMax-M1's clipped, stop-gradient importance weight)
+    c.loss.ratio_level = "token"  # token | sequence (GSPO's sequence-level ratio)
+    c.loss.cispo_max_weight = 5.0  # CISPO's upper bound on the importance weight
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6
@@ -196,6 +202,11 @@ FIELD_DOCS = {
     "algo.lopti_eta": "Lopti threshold on pi_old: 0 = off, > 0 low pass first, < 0 high pass first "
                       "(paper: 0.4 alone, 0.5 with AR)",
     "algo.lopti_split": "`threshold`, or `quantile` (threshold = the |eta|-quantile of the batch's pi_old)",
+    "algo.entropy_top_fraction": "the \"80/20\" rule (arXiv 2506.01939): the policy gradient only on this fraction "
+                                 "of the rollout batch's response tokens with the highest pi_old entropy (a "
+                                 "teacher-forced pass before the update; threshold: the batch's (1 - fraction)-"
+                                 "quantile; the rest keep A = 0 and their place in the denominator); 0 = off; the "
+                                 "paper: 0.2",
     "algo.filter_groups": "DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and "
                           "sample more prompts until `train.batch_prompts` groups remain",
     "algo.max_sample_rounds": "with `filter_groups`, at most this many generation rounds per step; if the "
@@ -211,6 +222,14 @@ FIELD_DOCS = {
     "loss.kl_type": "KL estimator: `k1`, `k2`, `k3`/`low_var_kl`",
     "loss.entropy_coef": "entropy bonus",
     "loss.agg": "`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`",
+    "loss.mode": "`ppo` (the clipped surrogate) or `cispo` (MiniMax-M1, arXiv 2506.13585: -sg[min(ratio, "
+                 "`cispo_max_weight`)] x A x log pi on every token; the clip ranges and dual clip are unused)",
+    "loss.ratio_level": "`token` (PPO's per-token ratio) or `sequence` (GSPO, arXiv 2507.18071: every token of a "
+                        "response takes its sequence's ratio exp(mean log-ratio), clipped by `clip_low`/`clip_high`, "
+                        "in GSPO-token's stop-gradient form; the paper's gradient with `agg` = `seq-mean-token-mean` "
+                        "and its clip 3e-4/4e-4); `ppo` mode only",
+    "loss.cispo_max_weight": "CISPO's upper bound on the importance weight, 1 + eps_high^IS (no lower bound, as "
+                             "the paper); default: ScaleRL's 5",
     "optim.lr": "AdamW learning rate",
     "optim.b1": "AdamW beta1",
     "optim.b2": "AdamW beta2",
@@ -279,7 +298,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     """Raise ConfigError (one line, naming the field) for any invalid value."""
     for field, allowed in [("algo.adv_estimator", ADV_ESTIMATORS), ("algo.weighting", WEIGHTINGS),
                            ("algo.lopti_split", LOPTI_SPLITS), ("loss.kl_type", KL_TYPES),
-                           ("loss.agg", AGGREGATIONS), ("optim.schedule", SCHEDULES),
+                           ("loss.agg", AGGREGATIONS), ("loss.mode", LOSS_MODES),
+                           ("loss.ratio_level", RATIO_LEVELS), ("optim.schedule", SCHEDULES),
                            ("model.dtype", DTYPES), ("model.param_dtype", DTYPES), ("model.attention", ATTENTION_IMPLS),
                            ("data.prompt_style", PROMPT_STYLES)]:
         _choice(c, field, allowed)
@@ -308,6 +328,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
         _check(0.0 < v < 1.0, field, v, "must be in (0, 1)")
     _check(c.loss.dual_clip > 1.0, "loss.dual_clip", c.loss.dual_clip, "must be > 1")
     _check(c.loss.kl_coef >= 0, "loss.kl_coef", c.loss.kl_coef, "must be >= 0")
+    _check(c.loss.cispo_max_weight >= 1, "loss.cispo_max_weight", c.loss.cispo_max_weight,
+           "must be >= 1 (an upper bound on the importance weight, whose on-policy value is 1)")
+    _check(not (c.loss.mode == "cispo" and c.loss.ratio_level == "sequence"), "loss.ratio_level",
+           c.loss.ratio_level, "'sequence' is GSPO's clipped sequence ratio and loss.mode='cispo' weights each "
+           "token: choose one")
+    top = c.algo.entropy_top_fraction
+    _check(0.0 <= top < 1.0, "algo.entropy_top_fraction", top, "must be in [0, 1) (0 = off; the paper: 0.2)")
     _check(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
     _check(c.optim.grad_clip > 0, "optim.grad_clip", c.optim.grad_clip, "must be > 0")
     _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", c.optim.warmup_steps, "must be >= 0")

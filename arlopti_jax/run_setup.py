@@ -151,11 +151,14 @@ def algo_configs(config):
     a, l = config.algo, config.loss
     adv = algos.AdvantageConfig(estimator=a.adv_estimator)
     weights = algos.TokenWeightConfig(weighting=a.weighting, alpha=a.ar_alpha, tr_scale=a.tr_scale, tr_tau=a.tr_tau,
-                                      tr_mu=a.tr_mu, tr_min=a.tr_min, tr_max=a.tr_max)
+                                      tr_mu=a.tr_mu, tr_min=a.tr_min, tr_max=a.tr_max,
+                                      entropy_top_fraction=a.get("entropy_top_fraction", 0.0))
     lopti = algos.LoptiConfig(enabled=a.lopti_eta != 0, eta=a.lopti_eta or 0.5, quantile=a.lopti_split == "quantile")
     loss = algos.LossConfig(clip_low=l.clip_low, clip_high=l.clip_high, dual_clip=l.dual_clip, kl_coef=l.kl_coef,
                             kl_type=l.kl_type, entropy_coef=l.entropy_coef, agg=l.agg,
-                            temperature=config.rollout.temperature)
+                            temperature=config.rollout.temperature, mode=l.get("mode", "ppo"),
+                            ratio_level=l.get("ratio_level", "token"),
+                            cispo_max_weight=l.get("cispo_max_weight", 5.0))
     return adv, weights, lopti, loss
 
 

@@ -144,11 +144,16 @@ def train(config) -> dict:
         sampled = collect(params, iterator, step_key)
         batch = {k: dist.to_host(v) for k, v in sampled.batch.items()}
         rewards, group_ids = dist.to_host(sampled.rewards), dist.to_host(sampled.group_ids)
-        if config.rollout.recompute_old_logprobs:
+        entropies = None  # pi_old's, for the high-entropy selection (algo.entropy_top_fraction)
+        if weight_cfg.entropy_top_fraction:
+            old, entropies = logprobs_fn(params, batch, with_entropy=True)
+            if config.rollout.recompute_old_logprobs:
+                batch["old_logprobs"] = old
+        elif config.rollout.recompute_old_logprobs:
             batch["old_logprobs"] = logprobs_fn(params, batch)
-        # 3-4. advantages, token weights (AR / TR) and the Lopti split, as update passes
+        # 3-4. advantages, token weights (AR / TR, the entropy selection) and the Lopti split, as update passes
         passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, rewards, group_ids,
-                                       batch["response_mask"], batch["old_logprobs"])
+                                       batch["response_mask"], batch["old_logprobs"], entropies)
         if loss_cfg.use_kl:
             batch["ref_logprobs"] = logprobs_fn(ref_params, batch)
         diagnostics = {}

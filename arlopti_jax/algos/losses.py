@@ -1,11 +1,28 @@
-"""Policy loss: PPO clipped surrogate with dual clip, KL to a frozen reference, entropy bonus.
+"""Policy loss: PPO clipped surrogate with dual clip (token- or sequence-level ratio) or CISPO,
+KL to a frozen reference, entropy bonus.
 
-Per response token t (all [B, T], aligned with ``input_ids``):
+Per response token t (all [B, T], aligned with ``input_ids``), ``mode='ppo'``:
 
     ratio_t   = exp(logp_t - old_logp_t)
     pg_t      = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     pg_t      = min(pg_t, -A_t * c)                 only where A_t < 0 (dual clip)
     loss_t    = pg_t + kl_coef * kl_t * m_t - entropy_coef * H_t * m_t
+
+``ratio_level='sequence'`` (GSPO, Zheng et al. 2025, arXiv 2507.18071) replaces ratio_t by the
+sequence's ratio s_i = exp(mean over the response tokens u of sequence i of (logp_u - old_logp_u))
+in the value, in GSPO-token's form s_{i,t} = sg[s_i] * pi(o_t) / sg[pi(o_t)]: its value is s_i, its
+gradient s_i * grad logp_t. With a per-sequence advantage A_i and ``agg='seq-mean-token-mean'``
+the gradient is exactly GSPO's, (1 / G) sum_i [s_i unclipped] A_i s_i (1 / |o_i|) sum_t grad
+logp_t (the clip and dual clip act on s_i); token-level advantages (AR, TR, Lopti's and the
+entropy selection's zeros) give GSPO-token, as that paper defines it. A sequence never spans two
+micro-batches (``packing``), so s_i is computed inside one, from each target's ``sequence_id``.
+
+``mode='cispo'`` (MiniMax-M1, arXiv 2506.13585): REINFORCE with the clipped importance weight
+under a stop-gradient, so no token's gradient is dropped:
+
+    pg_t      = -sg[min(ratio_t, cispo_max_weight)] * A_t * logp_t
+
+(no lower bound on the weight, as the paper; eps_low, eps_high and the dual clip are unused).
 
 where m_t is the pass's ``loss_mask`` (Lopti masks KL and entropy to its tokens; without
 Lopti it equals the response mask) and kl_t one of the estimators in ``KL_ESTIMATORS``:
@@ -40,6 +57,8 @@ import numpy as np
 Array = jax.Array
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_MODES = ("ppo", "cispo")
+RATIO_LEVELS = ("token", "sequence")
 
 
 def _k1(logp, ref):
@@ -66,7 +85,9 @@ class LossConfig:
     where A < 0; kl_coef: weight of the KL to the reference (0 disables it and the need for
     ``ref_logprobs``); kl_type: a key of ``KL_ESTIMATORS``; entropy_coef: loss -= coef * H;
     agg: one of ``AGG_MODES``; temperature: logits are divided by it, as in the sampler, so
-    log-probs are those of the sampled distribution."""
+    log-probs are those of the sampled distribution. mode: ``ppo`` or ``cispo``; ratio_level:
+    ``token`` or ``sequence`` (GSPO, ppo mode only); cispo_max_weight: CISPO's upper bound on the
+    importance weight, 1 + eps_high^IS (5, ScaleRL's value: arXiv 2510.13786)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.24
@@ -76,6 +97,9 @@ class LossConfig:
     entropy_coef: float = 0.0
     agg: str = "token-mean"
     temperature: float = 1.0
+    mode: str = "ppo"
+    ratio_level: str = "token"
+    cispo_max_weight: float = 5.0
 
     def __post_init__(self):
         if not 0 <= self.clip_low < 1:
@@ -92,10 +116,24 @@ class LossConfig:
             raise ValueError(f"LossConfig.agg={self.agg!r}: allowed {list(AGG_MODES)}")
         if self.temperature <= 0:
             raise ValueError(f"LossConfig.temperature={self.temperature}: must be > 0")
+        if self.mode not in LOSS_MODES:
+            raise ValueError(f"LossConfig.mode={self.mode!r}: allowed {list(LOSS_MODES)}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"LossConfig.ratio_level={self.ratio_level!r}: allowed {list(RATIO_LEVELS)}")
+        if self.cispo_max_weight < 1:
+            raise ValueError(f"LossConfig.cispo_max_weight={self.cispo_max_weight}: must be >= 1")
+        if self.mode == "cispo" and self.ratio_level == "sequence":
+            raise ValueError("LossConfig.ratio_level='sequence' is GSPO's clipped sequence ratio; mode='cispo' "
+                             "weights tokens: choose one")
 
     @property
     def use_kl(self) -> bool:
         return self.kl_coef != 0.0
+
+    @property
+    def target_keys(self) -> tuple[str, ...]:
+        """The per-target arrays ``policy_loss`` reads besides the always-present ones."""
+        return (("ref_logprobs",) if self.use_kl else ()) + (("sequence_id",) if self.ratio_level == "sequence" else ())
 
 
 def kl_penalty(logp: Array, ref_logp: Array, kind: str) -> Array:
@@ -108,7 +146,12 @@ def ppo_clipped_loss(logp: Array, old_logp: Array, advantages: Array, clip_low: 
     ``clip_low``: A < 0 and ratio < 1 - eps_low (the clipped branch is the max);
     ``clip_high``: A > 0 and ratio > 1 + eps_high (idem); ``dual_clip``: A < 0 and the
     dual bound -A * c is the min. Tokens with A = 0 never count as clipped."""
-    ratio = jnp.exp(logp - old_logp)
+    return clipped_surrogate(jnp.exp(logp - old_logp), advantages, clip_low, clip_high, dual_clip)
+
+
+def clipped_surrogate(ratio: Array, advantages: Array, clip_low: float, clip_high: float,
+                      dual_clip: float) -> tuple[Array, dict[str, Array]]:
+    """``ppo_clipped_loss`` of a given ratio (a token's, or GSPO's sequence ratio per token)."""
     pg = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg1 = jnp.maximum(pg, clipped)
@@ -123,6 +166,35 @@ def ppo_clipped_loss(logp: Array, old_logp: Array, advantages: Array, clip_low: 
         "dual_clip": neg & (pg1 > dual),
     }
     return loss, info
+
+
+def cispo_loss(logp: Array, log_ratio: Array, advantages: Array,
+               max_weight: float) -> tuple[Array, dict[str, Array]]:
+    """Per-token CISPO loss -sg[min(ratio, max_weight)] * A * logp; ``clip_high`` marks the tokens
+    (A != 0) whose weight the bound caps."""
+    ratio = jnp.exp(log_ratio)
+    weight = jax.lax.stop_gradient(jnp.minimum(ratio, max_weight))
+    none = jnp.zeros(ratio.shape, bool)
+    info = {"ratio": ratio, "clip_low": none, "clip_high": (ratio > max_weight) & (advantages != 0), "dual_clip": none}
+    return -weight * advantages * logp, info
+
+
+def sequence_mean(values: Array, sequence_id: Array, mask: Array) -> Array:
+    """Per token, the mean of ``values`` over the ``mask``ed tokens with its ``sequence_id`` (any
+    shape; ids need not be contiguous or sorted). Sequences are numbered locally by ``unique`` so
+    the segment count is static: at most one per token."""
+    shape, n = values.shape, values.size
+    _, local = jnp.unique(sequence_id.reshape(-1), size=n, fill_value=0, return_inverse=True)
+    local = local.reshape(-1)
+    m = mask.reshape(-1).astype(jnp.float32)
+    sums = jax.ops.segment_sum(values.reshape(-1) * m, local, num_segments=n)
+    counts = jax.ops.segment_sum(m, local, num_segments=n)
+    return (sums / jnp.maximum(counts, 1.0))[local].reshape(shape)
+
+
+def sequence_ids(shape) -> np.ndarray:
+    """The dense ``sequence_id`` array of a [B, T] batch: row b's tokens carry b + 1."""
+    return np.broadcast_to(np.arange(1, shape[0] + 1, dtype=np.int32)[:, None], shape)
 
 
 def aggregation_weights(response_mask, agg: str) -> np.ndarray:
@@ -146,13 +218,21 @@ def policy_loss(cfg: LossConfig, logp: Array, entropy: Array, batch: dict[str, A
 
     batch: ``advantages``, ``old_logprobs``, ``response_mask`` (valid tokens), ``loss_mask``
     (the pass's tokens: KL and entropy apply there), ``agg_weight`` (``aggregation_weights``
-    of the mini-batch), and ``ref_logprobs`` when ``cfg.kl_coef != 0``.
+    of the mini-batch), ``ref_logprobs`` when ``cfg.kl_coef != 0``, and ``sequence_id`` (equal
+    on one sequence's tokens, ``sequence_ids``) when ``cfg.ratio_level == 'sequence'``.
     """
     mask = batch["response_mask"].astype(jnp.float32)
     weight = batch["agg_weight"].astype(jnp.float32) * mask
     kl_weight = batch["loss_mask"].astype(jnp.float32) * weight
-    pg, info = ppo_clipped_loss(logp, batch["old_logprobs"], batch["advantages"],
-                                cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    log_ratio = logp - batch["old_logprobs"]
+    if cfg.ratio_level == "sequence":  # GSPO-token: value s_i, gradient s_i * grad logp_t
+        seq = sequence_mean(log_ratio, batch["sequence_id"], mask)
+        log_ratio = (logp - jax.lax.stop_gradient(logp)) + jax.lax.stop_gradient(seq)
+    if cfg.mode == "cispo":
+        pg, info = cispo_loss(logp, log_ratio, batch["advantages"], cfg.cispo_max_weight)
+    else:
+        pg, info = clipped_surrogate(jnp.exp(log_ratio), batch["advantages"], cfg.clip_low, cfg.clip_high,
+                                     cfg.dual_clip)
     pg_loss = (pg * weight).sum()
     entropy_loss = (entropy * kl_weight).sum()
     loss = pg_loss - cfg.entropy_coef * entropy_loss

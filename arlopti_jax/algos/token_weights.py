@@ -14,6 +14,17 @@ and negative advantages alike:
         alpha = 0 is plain GRPO; the paper uses alpha = 0.2 (AR alone), 0.3 (AR + Lopti).
   tr    TR-GRPO probability shaping:  w_t = clip(a * (sigmoid(p_t / tau) - mu), L, U).
 
+High-entropy token selection (``TokenWeightConfig.entropy_top_fraction`` = rho > 0; Wang et al.
+2025, "Beyond the 80/20 rule", arXiv 2506.01939): the policy gradient only on the top rho of the
+batch's tokens by entropy, A~_t = I[H_t >= tau_rho] * w_t * A_t, where H_t is the entropy of
+pi_old's (temperature-scaled) next-token distribution at t and tau_rho the (1 - rho)-quantile
+(linear interpolation, as ``numpy.quantile``) of H over the valid response tokens of the WHOLE
+rollout batch: the paper's "top rho of tokens in batch B", decided once before the update, the
+same for every mini-batch and Lopti pass. (The paper takes H from the policy being trained, and
+TRL's ``top_entropy_quantile`` per loss call; before the first optimizer step that is pi_old.)
+Unselected tokens keep their place in the loss's denominator, as in the paper's
+1 / sum_i |o_i|, and the KL and entropy terms still apply to them.
+
 Low-Probability Token Isolation (``LoptiConfig``): split the response tokens by p_t with a
 threshold eta (low = p_t < eta, high = p_t >= eta) and run two complete updates over the
 rollout batch, low pass first. Pass k keeps A~_t only on its tokens (0 elsewhere) and masks
@@ -63,6 +74,8 @@ class TokenWeightConfig:
 
     AR: ``alpha`` in [0, 1] (paper: 0.2 alone, 0.3 with Lopti).
 
+    entropy_top_fraction: rho of the high-entropy selection (module docstring); 0 = every token.
+
     TR-GRPO: w = clip(tr_scale * (sigmoid(p / tr_tau) - tr_mu), tr_min, tr_max). The
     paper's constants were not available (PAPER.md); these defaults are our choice:
       * tr_mu = 0.5 = sigmoid(0): the unclipped weight is 0 at p = 0, and since sigmoid is
@@ -79,6 +92,7 @@ class TokenWeightConfig:
 
     weighting: str = "none"
     alpha: float = 0.2
+    entropy_top_fraction: float = 0.0
     tr_scale: float = 2.0
     tr_tau: float = 0.25
     tr_mu: float = 0.5
@@ -96,6 +110,9 @@ class TokenWeightConfig:
             raise ValueError(f"TokenWeightConfig.tr_scale={self.tr_scale}: must be > 0 (weight increasing in p)")
         if self.tr_min > self.tr_max:
             raise ValueError(f"TokenWeightConfig.tr_min={self.tr_min} > tr_max={self.tr_max}")
+        if not 0.0 <= self.entropy_top_fraction < 1.0:
+            raise ValueError(f"TokenWeightConfig.entropy_top_fraction={self.entropy_top_fraction}: must be in "
+                             "[0, 1) (0 = off)")
 
 
 @register_token_weighting("none")
@@ -120,6 +137,15 @@ def weight_advantages(cfg: TokenWeightConfig, advantages: Array, old_logprobs: A
     """A~_t = w(pi_old(o_t)) * A_t on response tokens (pi_old detached), 0 elsewhere."""
     p = jax.lax.stop_gradient(jnp.exp(old_logprobs.astype(jnp.float32)))
     return _WEIGHTINGS[cfg.weighting](cfg, p) * advantages * response_mask.astype(jnp.float32)
+
+
+def entropy_top_mask(fraction: float, entropies: Array, response_mask: Array) -> Array:
+    """[B, T] float32: 1 on the valid response tokens whose entropy is at least the
+    (1 - fraction)-quantile of the valid tokens' entropies (ties at the threshold are kept)."""
+    mask = response_mask > 0
+    h = entropies.astype(jnp.float32)
+    threshold = jnp.nanquantile(jnp.where(mask, h, jnp.nan), 1.0 - fraction)
+    return ((h >= threshold) & mask).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,16 +195,21 @@ def lopti_masks(cfg: LoptiConfig, old_logprobs: Array, response_mask: Array) -> 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def prepare_updates(adv_cfg: AdvantageConfig, weight_cfg: TokenWeightConfig, lopti_cfg: LoptiConfig,
                     rewards: Array, group_ids: Array, response_mask: Array,
-                    old_logprobs: Array) -> tuple[tuple[Array, Array], ...]:
+                    old_logprobs: Array, entropies: Array | None = None) -> tuple[tuple[Array, Array], ...]:
     """A rollout batch's update passes: ``((advantages, loss_mask), ...)``, [B, T] each.
 
-    advantages = w(pi_old) * A (estimator, then weighting), zeroed outside the pass's
-    tokens; loss_mask = the pass's tokens (where KL and entropy apply). One pass without
-    Lopti (loss_mask = response_mask), two with it, in update order.
+    advantages = w(pi_old) * A (estimator, then weighting), times the high-entropy selection
+    when ``weight_cfg.entropy_top_fraction`` > 0 (``entropies``: pi_old's per-token entropy,
+    needed then), zeroed outside the pass's tokens; loss_mask = the pass's tokens (where KL and
+    entropy apply). One pass without Lopti (loss_mask = response_mask), two with it, in update order.
     """
     mask = response_mask.astype(jnp.float32)
     adv = compute_advantages(adv_cfg, rewards, group_ids, mask)
     adv = weight_advantages(weight_cfg, adv, old_logprobs, mask)
+    if weight_cfg.entropy_top_fraction > 0:
+        if entropies is None:
+            raise ValueError("TokenWeightConfig.entropy_top_fraction > 0 needs the batch's entropies")
+        adv = adv * entropy_top_mask(weight_cfg.entropy_top_fraction, entropies, mask)
     if not lopti_cfg.enabled:
         return ((adv, mask),)
     return tuple((adv * m, m) for m in lopti_masks(lopti_cfg, old_logprobs, mask))

@@ -38,7 +38,7 @@ import optax
 from arlopti_jax import distributed as dist
 from arlopti_jax import sharding as shd
 from arlopti_jax.algos import packing
-from arlopti_jax.algos.losses import LossConfig, aggregation_weights, policy_loss
+from arlopti_jax.algos.losses import LossConfig, aggregation_weights, policy_loss, sequence_ids
 from arlopti_jax.models import ModelConfig, abstract_params, packed_hidden_states, param_shardings, target_logprobs
 from arlopti_jax.models.policy import unembed_matrix
 
@@ -194,7 +194,7 @@ class TrainStep:
 
         def micro_loss(params, mb):
             logp, ent = self.model(params, mb, entropy_grad)
-            targets = {k: mb[k] for k in TARGET_KEYS + (("ref_logprobs",) if use_kl else ())}
+            targets = {k: mb[k] for k in TARGET_KEYS + loss_cfg.target_keys}
             return policy_loss(loss_cfg, logp, ent, targets)
 
         def zeros(params):
@@ -235,6 +235,8 @@ class TrainStep:
         weight[rows] = aggregation_weights(batch["response_mask"][rows], self.loss_cfg.agg)
         targets = {k: batch[k] for k in TARGET_KEYS[:-1] + (("ref_logprobs",) if self.loss_cfg.use_kl else ())}
         targets.update(agg_weight=weight, target_ids=batch["input_ids"])
+        if self.loss_cfg.ratio_level == "sequence":  # GSPO's ratio: each target's sequence
+            targets["sequence_id"] = sequence_ids(weight.shape)
         n_tok = np.float32(max(float(batch["response_mask"][rows].sum()), 1.0))
         self.processed.append(packing.summary(micro_batches))
         with shd.activate(self.mesh, self.rules):
@@ -284,14 +286,18 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
     input_ids[:, :t]) at the response positions (``batch['response_mask']``), 0 elsewhere, from
     ``input_ids`` and ``attention_mask``, on packed rows. Use it with the reference params for
     ``ref_logprobs`` (only when kl_coef != 0) and with the policy params to recompute
-    ``old_logprobs``."""
+    ``old_logprobs``. ``compute_logprobs(params, batch, with_entropy=True)`` returns ``(logp,
+    entropy)``, the entropy of the temperature-scaled next-token distribution at each response
+    position (pi_old's, for ``algo.entropy_top_fraction``)."""
     model = PackedModel(model_cfg, temperature, chunk_size)
     row_sharding = shd.batch_sharding(mesh, 2)
+    in_shardings = (param_shardings(model_cfg, mesh, rules), row_sharding)
     jitted = jax.jit(lambda params, mb: model(params, mb, entropy_grad=False)[0],
-                     in_shardings=(param_shardings(model_cfg, mesh, rules), row_sharding),
-                     out_shardings=shd.replicated(mesh))
+                     in_shardings=in_shardings, out_shardings=shd.replicated(mesh))
+    with_entropy_jitted = jax.jit(lambda params, mb: model(params, mb, entropy_grad=False), in_shardings=in_shardings,
+                                  out_shardings=(shd.replicated(mesh),) * 2)
 
-    def compute_logprobs(params, batch: dict[str, Any]) -> np.ndarray:
+    def compute_logprobs(params, batch: dict[str, Any], with_entropy: bool = False):
         dense = _dense_host(batch, ("input_ids", "attention_mask", "response_mask"))
         shape = dense["input_ids"].shape
         plan = packing.plan_micro_batches(dense["attention_mask"], dense["response_mask"], np.arange(shape[0]),
@@ -302,8 +308,11 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
             for mb in plan:
                 arrays = packing.gather(mb, {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]})
                 arrays = {k: _put(v, row_sharding) for k, v in arrays.items()}
-                values.append(jitted(params, arrays))
-        return packing.scatter_targets(plan, [np.asarray(v) for v in jax.device_get(values)], shape)
+                values.append((with_entropy_jitted if with_entropy else jitted)(params, arrays))
+        values = jax.device_get(values)
+        if with_entropy:
+            return tuple(packing.scatter_targets(plan, [np.asarray(v[i]) for v in values], shape) for i in (0, 1))
+        return packing.scatter_targets(plan, [np.asarray(v) for v in values], shape)
 
     compute_logprobs.jitted = jitted
     return compute_logprobs
