@@ -116,6 +116,7 @@ def base_config() -> ml_collections.ConfigDict:
     # tokens per data x fsdp device of a packed micro-batch (sequences packed without padding);
     # 0 = the dense micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
     c.train.max_tokens_per_micro_batch = 0
+    c.train.shared_prefix = True  # a group's prompt forwarded once per pass (algos/packing.py)
     c.train.epochs = 5
     c.train.max_steps = -1  # -1 = epochs x batches per epoch
     c.train.eval_every = 20
@@ -248,6 +249,11 @@ FIELD_DOCS = {
     "train.max_tokens_per_micro_batch": "tokens per data x fsdp device of one packed micro-batch (sequences packed "
                                         "back to back, no padding to full width); 0 = the dense micro-batch's share, "
                                         "micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)",
+    "train.shared_prefix": "in the update and log-prob passes, responses with the same prompt (a GRPO group) "
+                           "share one copy of it in their packed row, attending to it and causally to their own "
+                           "tokens, never a sibling's: P + n x R tokens instead of n x (P + R), the same log-probs "
+                           "and gradients to float rounding; prompts no other row repeats keep their own copy; "
+                           "False = every sequence whole",
     "train.epochs": "passes over the training data (when `max_steps` is -1)",
     "train.max_steps": "RL steps; -1 = epochs x batches per epoch",
     "train.eval_every": "evaluate every this many steps (and at the end)",

@@ -26,7 +26,39 @@ length of the ladder) that holds what is left. The passes compile once per shape
 row length and target width: a handful, all three ladders are short), never per step. Padding
 is what the rows leave unfilled: 8-9% of the slots on the embedded default's and
 ``bench/realistic.py``'s lengths. Everything here is
-a pure function of the lengths, so every process of a multi-process run computes the same plan.
+a pure function of the lengths (and, with a shared prefix, of the prompts' tokens), so every
+process of a multi-process run computes the same plan.
+
+**Shared prefix** (``input_ids`` given; ``train.shared_prefix``). The responses of a GRPO group
+repeat one prompt. Sequences of the packed rows whose prompts (the tokens before the first response
+token) are equal token for token share it: a row that holds such a prompt's first sequence takes
+another of them for its response alone, and lays them out as one prefix segment followed by the
+response segments (then the row's other sequences):
+
+    segment_ids  [ 1 1 1 1 | 2 2 2 | 3 3 | 4 4 4 4 ... ]   prompt, response a, response b, next sequence
+    prefix_ids   [ 0 0 0 0 | 1 1 1 | 1 1 | 0 0 0 0 ... ]   the prefix segment each response also sees
+    positions    [ 0 1 2 3 | 4 5 6 | 4 5 | 0 1 2 3 ... ]   responses continue from the prompt's length
+
+so a group of n responses costs P + n x R tokens instead of n x (P + R). A response token attends
+to its prefix segment and causally to its own segment, never to a sibling (``segment_mask``); the
+prompt's last slot predicts every response's first token. Each query thus sees exactly the keys,
+positions and tokens it sees in its own unshared row: the outputs, log-probs and gradients equal
+the unshared layout's to float rounding, whatever the pass (update, reference, pi_old recompute,
+diagnostics). Sharing is found from the tokens, not from group ids: rows with equal prompts from
+anywhere in the batch share (after DAPO's filtering or a shuffle into mini-batches too), and rows
+whose prompt no other row of the packed set repeats (n = 1, a group's only row in a mini-batch)
+keep the unshared layout. A group is never required to fit one row: its responses fill the rows
+that hold its prompt, and the rest go to other rows (each with its own copy of the prompt), in
+this or a later micro-batch. The packing value counts a sequence at its unshared length, so a row
+length is chosen for the sequences it covers per unit of cost.
+
+Attention form: one boolean [B, 1, T, T] mask per micro-batch, built from ``segment_ids`` and
+``prefix_ids`` (``decoder.segment_mask``), the same shape the unshared rows already use: XLA's
+path (and the CPU's causal blocks) hold no larger mask and no per-head copy, and cuDNN's fused
+kernel takes it as it takes the unshared mask. Splitting attention into a prefix part and an
+own-segment part merged by log-sum-exp would let each part run unmasked only when a row holds
+one group; rows packed with several groups need a mask in both parts, so that split would double
+the attention calls and add the merge for no saving here.
 """
 
 from __future__ import annotations
@@ -47,6 +79,7 @@ class MicroBatch:
     token_src   int64  flat index into the dense [B, T] arrays of each slot's token; -1 = pad
     segment_ids int32
     positions   int32
+    prefix_ids  int32  the segment id of a response's shared prefix segment; 0 elsewhere
     target_pos  int32  [D, K]: the slot whose hidden state predicts device d's target k, as an
                        index into that device's [R / D, S] rows flattened (0 for unused targets)
     target_src  int64  [D, K]: flat dense index of that target (a response token); -1 = unused
@@ -56,6 +89,7 @@ class MicroBatch:
     token_src: np.ndarray
     segment_ids: np.ndarray
     positions: np.ndarray
+    prefix_ids: np.ndarray
     target_pos: np.ndarray
     target_src: np.ndarray
     sequences: int
@@ -110,13 +144,35 @@ def sequence_spans(attention_mask: np.ndarray, rows: np.ndarray | None = None) -
     return np.stack([start, end], axis=1)
 
 
+def shared_prompts(input_ids: np.ndarray, response_mask: np.ndarray, rows, spans: np.ndarray):
+    """(prefix [n], group [n]) of the sequences of dense batch ``rows`` (``spans`` their
+    ``sequence_spans``): sequence i's prompt length (the tokens before its first response
+    token) and the index of the first sequence with the same prompt, where at least one other
+    sequence repeats it token for token; prefix 0 and group -1 elsewhere."""
+    rows = np.asarray(rows, np.int64)
+    prefix, group = np.zeros(len(rows), np.int64), np.full(len(rows), -1, np.int64)
+    first: dict[bytes, int] = {}
+    for i, (row, (start, end)) in enumerate(zip(rows, spans)):
+        resp = np.flatnonzero(np.asarray(response_mask[row, start:end]) > 0)
+        if resp.size and resp[0] > 0:  # a prompt, then a response (resp[0] == 0 is _layout's error)
+            p = int(resp[0])
+            key = np.asarray(input_ids[row, start:start + p]).astype(np.int64).tobytes()
+            prefix[i], group[i] = p, first.setdefault(key, i)
+    counts = np.bincount(group[group >= 0], minlength=len(rows))
+    alone = (group < 0) | (counts[np.maximum(group, 0)] < 2)
+    prefix[alone], group[alone] = 0, -1
+    return prefix, group
+
+
 def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, rows, *,
-                       tokens_per_device: int, num_devices: int, attention_cost: float = 0.0) -> list[MicroBatch]:
+                       tokens_per_device: int, num_devices: int, attention_cost: float = 0.0,
+                       input_ids: np.ndarray | None = None) -> list[MicroBatch]:
     """Pack the sequences of dense batch ``rows`` into micro-batches of ``tokens_per_device``
     tokens per device on ``num_devices`` (data x fsdp) devices. Rows without tokens (batch
     padding) are skipped. ``attention_cost``: the cost of one attended key per slot relative to
     a slot's other (linear) cost (``attention_cost_per_key(model_cfg)``); a shape of ``rows x S``
-    costs rows * S * (1 + attention_cost * S)."""
+    costs rows * S * (1 + attention_cost * S). ``input_ids`` given: sequences with equal prompts
+    share one prefix segment where they share a row (the module docstring)."""
     attention_mask, response_mask = np.asarray(attention_mask), np.asarray(response_mask)
     rows = np.asarray(rows, np.int64)
     spans = sequence_spans(attention_mask, rows)
@@ -127,28 +183,32 @@ def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, ro
         raise ValueError(f"batch row {int(rows[i])} holds {int(lengths[i])} tokens, more than "
                          f"train.max_tokens_per_micro_batch={tokens_per_device}: raise it to at least the longest "
                          "prompt + response")
+    share = (shared_prompts(input_ids, response_mask, rows, spans) if input_ids is not None
+             else (np.zeros(len(rows), np.int64), np.full(len(rows), -1, np.int64)))
     remaining = sorted(np.flatnonzero(lengths > 0).tolist(), key=lambda i: (-int(lengths[i]), i))
     ladder = row_lengths(tokens_per_device)
     cost = lambda length, count: count * length * (1.0 + attention_cost * length)
     out = []
     while remaining:
-        # the row length that packs the most real tokens per unit of cost: longer rows fit short
-        # sequences together, at attention's price of more keys per token
+        # the row length that packs the most sequence tokens per unit of cost: longer rows fit short
+        # sequences (and more of a group's responses) together, at attention's price of more keys
+        # per token. A sequence counts at its full length, shared prompt or not.
         best = None
         for length in (s for s in ladder if s >= lengths[remaining[0]]):
             count = num_devices * (tokens_per_device // length)
-            members, left = _first_fit(remaining, lengths, length, count)
+            members, left = _first_fit(remaining, lengths, length, count, share)
             value = sum(int(lengths[i]) for g in members for i in g) / cost(length, count)
             if best is None or value > best[0]:
                 best = (value, length, members, left)
         _, length, members, left = best
         if not left:  # the last micro-batch: the cheapest shape that still holds every sequence
             for shape in _smaller_shapes(ladder, int(lengths[remaining[0]]), tokens_per_device, num_devices, cost):
-                fit, rest = _first_fit(remaining, lengths, *shape)
+                fit, rest = _first_fit(remaining, lengths, *shape, share)
                 if not rest:
                     length, members = shape[0], fit
                     break
-        out.append(_layout(members, length, num_devices, rows, spans, response_mask, attention_mask.shape[1]))
+        out.append(_layout(members, length, num_devices, rows, spans, response_mask, attention_mask.shape[1],
+                           share[0], share[1]))
         remaining = left
     return out
 
@@ -167,46 +227,82 @@ def _smaller_shapes(ladder, shortest: int, tokens_per_device: int, num_devices: 
     return [(length, count) for _, length, count in sorted(shapes)]
 
 
-def _first_fit(order, lengths, length: int, count: int):
-    """First fit of ``order`` (longest first) into ``count`` rows of ``length``: (rows' members, leftovers)."""
+def _first_fit(order, lengths, length: int, count: int, share):
+    """First fit of ``order`` (longest first) into ``count`` rows of ``length``: (rows' members,
+    leftovers). A sequence whose prompt a row already holds (``share``: prefix lengths, groups)
+    goes to the first such row with room for its response alone, and costs only that."""
+    prefix, group = share
     members: list[list[int]] = [[] for _ in range(count)]
     room = np.full(count, length)
+    holders: dict[int, list[int]] = {}  # group -> rows holding its prompt
     left = []
     for i in order:
-        size = int(lengths[i])
-        r = int(np.argmax(room >= size))
-        if room[r] < size:
-            left.append(i)
+        size, g = int(lengths[i]), int(group[i])
+        r = next((r for r in holders.get(g, ()) if room[r] >= size - prefix[i]), None) if g >= 0 else None
+        if r is not None:
+            size -= int(prefix[i])
         else:
-            members[r].append(i)
-            room[r] -= size
+            r = int(np.argmax(room >= size))
+            if room[r] < size:
+                left.append(i)
+                continue
+            if g >= 0:
+                holders.setdefault(g, []).append(r)
+        members[r].append(i)
+        room[r] -= size
     return members, left
 
 
+def _units(row_members: list[int], group) -> list[list[int]]:
+    """A row's members as units laid out together: each shared group's members (its first holds
+    the prompt), then every other sequence alone, in order of first appearance."""
+    units: dict[int, list[int]] = {}
+    for i in row_members:
+        units.setdefault(int(group[i]) if group[i] >= 0 else -1 - i, []).append(i)
+    return list(units.values())
+
+
 def _layout(members: list[list[int]], length: int, num_devices: int, rows, spans, response_mask,
-            width: int) -> MicroBatch:
+            width: int, prefix, group) -> MicroBatch:
     shape = (len(members), length)
     per_device = len(members) // num_devices
     token_src = np.full(shape, -1, np.int64)
     segment_ids = np.zeros(shape, np.int32)
     positions = np.zeros(shape, np.int32)
+    prefix_ids = np.zeros(shape, np.int32)
     pos_lists: list[list[np.ndarray]] = [[] for _ in range(num_devices)]
     src_lists: list[list[np.ndarray]] = [[] for _ in range(num_devices)]
-    for r, group in enumerate(members):
-        slot = 0
+    for r, row_members in enumerate(members):
+        slot, seg = 0, 0
         base = (r % per_device) * length  # the row's first slot in its device's flattened rows
-        for seg, i in enumerate(group, start=1):
-            row, (start, end) = int(rows[i]), spans[i]
-            n = int(end - start)
-            token_src[r, slot:slot + n] = row * width + np.arange(start, end)
-            segment_ids[r, slot:slot + n] = seg
-            positions[r, slot:slot + n] = np.arange(n)
-            resp = np.flatnonzero(response_mask[row, start:end] > 0)
-            if resp.size and resp[0] == 0:
-                raise ValueError(f"batch row {row}: a response token has no preceding token to predict it from")
-            pos_lists[r // per_device].append(base + slot + resp - 1)
-            src_lists[r // per_device].append(row * width + start + resp)
-            slot += n
+        for unit in _units(row_members, group):
+            p = int(prefix[unit[0]]) if len(unit) > 1 else 0  # a prompt alone in its row is not split off
+            if p:  # the shared prompt, from the unit's first sequence
+                row, start = int(rows[unit[0]]), int(spans[unit[0]][0])
+                seg += 1
+                token_src[r, slot:slot + p] = row * width + np.arange(start, start + p)
+                segment_ids[r, slot:slot + p] = seg
+                positions[r, slot:slot + p] = np.arange(p)
+                shared_seg, prompt_end = seg, slot + p - 1  # the slot that predicts each first response token
+                slot += p
+            for i in unit:  # each sequence (its response alone after a shared prompt)
+                row, (start, end) = int(rows[i]), spans[i]
+                start = int(start) + p
+                n = int(end - start)
+                seg += 1
+                token_src[r, slot:slot + n] = row * width + np.arange(start, end)
+                segment_ids[r, slot:slot + n] = seg
+                positions[r, slot:slot + n] = np.arange(p, p + n)
+                resp = np.flatnonzero(response_mask[row, start:end] > 0)
+                if resp.size and resp[0] == 0 and not p:
+                    raise ValueError(f"batch row {row}: a response token has no preceding token to predict it from")
+                pred = slot + resp - 1  # the slot before each target predicts it
+                if p:
+                    prefix_ids[r, slot:slot + n] = shared_seg
+                    pred = np.where(resp == 0, prompt_end, pred)
+                pos_lists[r // per_device].append(base + pred)
+                src_lists[r // per_device].append(row * width + start + resp)
+                slot += n
     counts = [sum(len(x) for x in lst) for lst in pos_lists]
     k = next(w for w in target_widths(per_device * length) if w >= max(counts))
     target_pos = np.zeros((num_devices, k), np.int32)
@@ -215,15 +311,16 @@ def _layout(members: list[list[int]], length: int, num_devices: int, rows, spans
         if counts[d]:
             target_pos[d, :counts[d]] = np.concatenate(pos_lists[d])
             target_src[d, :counts[d]] = np.concatenate(src_lists[d])
-    return MicroBatch(token_src, segment_ids, positions, target_pos, target_src, sum(len(g) for g in members))
+    return MicroBatch(token_src, segment_ids, positions, prefix_ids, target_pos, target_src,
+                      sum(len(g) for g in members))
 
 
 def gather(mb: MicroBatch, tokens: dict[str, np.ndarray], targets: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The micro-batch's arrays: ``tokens`` entries (dense [B, T]) at its slots, ``targets``
-    entries at its targets (0 where unused), plus segment_ids, positions, target_pos and
+    entries at its targets (0 where unused), plus segment_ids, positions, prefix_ids, target_pos and
     ``target_mask`` (1 on used targets)."""
-    out = {"segment_ids": mb.segment_ids, "positions": mb.positions, "target_pos": mb.target_pos,
-           "target_mask": (mb.target_src >= 0).astype(np.int32)}
+    out = {"segment_ids": mb.segment_ids, "positions": mb.positions, "prefix_ids": mb.prefix_ids,
+           "target_pos": mb.target_pos, "target_mask": (mb.target_src >= 0).astype(np.int32)}
     for arrays, index in ((tokens, mb.token_src), (targets, mb.target_src)):
         safe, valid = np.maximum(index, 0), index >= 0
         for key, dense in arrays.items():

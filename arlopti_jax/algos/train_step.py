@@ -16,7 +16,10 @@ rollout batch).
 Cost follows the real tokens (``packing``): the mini-batch's sequences are packed into
 micro-batches of ``tokens_per_device`` tokens per data x fsdp device, in rows about as long
 as their longest sequence; the model runs on the packed rows (attention within each
-sequence) and the vocabulary projection only at response positions. For each micro-batch a jitted function adds its gradient to an accumulator
+sequence) and the vocabulary projection only at response positions. With ``shared_prefix`` (the
+default; ``train.shared_prefix``) the responses of one prompt that share a row share one copy of
+the prompt: a GRPO group of n costs P + n x R tokens instead of n x (P + R), with the same
+log-probs and gradients to float rounding (``packing``'s docstring). For each micro-batch a jitted function adds its gradient to an accumulator
 (donated, sharded like the params); a second one clips, applies AdamW and reports the
 metrics. Each token's loss carries its mini-batch aggregation weight
 (``losses.aggregation_weights``), so the accumulated gradient is exactly the whole
@@ -146,7 +149,8 @@ class PackedModel:
         self.cfg, self.temperature, self.chunk_size = model_cfg, temperature, chunk_size
 
     def __call__(self, params, mb: dict[str, Array], entropy_grad: bool = True):
-        hidden = packed_hidden_states(self.cfg, params, mb["input_ids"], mb["positions"], mb["segment_ids"])
+        hidden = packed_hidden_states(self.cfg, params, mb["input_ids"], mb["positions"], mb["segment_ids"],
+                                      mb.get("prefix_ids"))
         return target_logprobs(unembed_matrix(self.cfg, params), hidden, mb["target_pos"], mb["target_ids"],
                                mb["target_mask"], self.temperature, self.chunk_size, entropy_grad=entropy_grad)
 
@@ -172,14 +176,17 @@ def _finish_metrics(stats: dict[str, Array], n_tok: Array, use_kl: bool) -> dict
 class TrainStep:
     """``step(params, opt_state, mini_batch) -> (params, opt_state, metrics)``; see the module
     docstring. The caller's ``params``/``opt_state`` are donated (invalid after the call).
-    ``tokens_per_device`` (per micro-batch) must hold the longest prompt + response."""
+    ``tokens_per_device`` (per micro-batch) must hold the longest prompt + response.
+    ``shared_prefix``: responses of one prompt share its tokens in the packed rows."""
 
     def __init__(self, model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                 mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256):
+                 mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256,
+                 shared_prefix: bool = True):
         if tokens_per_device < 2:
             raise ValueError(f"tokens_per_device={tokens_per_device}: must be >= 2")
         self.mesh, self.rules, self.loss_cfg = mesh, rules, loss_cfg
         self.tokens_per_device, self.num_devices = tokens_per_device, shd.batch_divisor(mesh)
+        self.shared_prefix = shared_prefix
         self.attention_cost = model_cfg.attention_cost_per_key()
         self.keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
         self.row_sharding = shd.batch_sharding(mesh, 2)
@@ -226,7 +233,8 @@ class TrainStep:
     def plan(self, batch: dict[str, np.ndarray], rows) -> list[packing.MicroBatch]:
         return packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], rows,
                                           tokens_per_device=self.tokens_per_device, num_devices=self.num_devices,
-                                          attention_cost=self.attention_cost)
+                                          attention_cost=self.attention_cost,
+                                          input_ids=batch["input_ids"] if self.shared_prefix else None)
 
     def _accumulated(self, params, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
         """(gradient accumulator, n_tokens) of the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
@@ -275,20 +283,21 @@ class TrainStep:
 
 
 def make_train_step(model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                    mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256) -> TrainStep:
+                    mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256,
+                    shared_prefix: bool = True) -> TrainStep:
     return TrainStep(model_cfg, loss_cfg, optimizer, mesh, rules, tokens_per_device=tokens_per_device,
-                     chunk_size=chunk_size)
+                     chunk_size=chunk_size, shared_prefix=shared_prefix)
 
 
 def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES, *, temperature: float = 1.0,
-                          tokens_per_device: int, chunk_size: int = 256):
+                          tokens_per_device: int, chunk_size: int = 256, shared_prefix: bool = True):
     """``compute_logprobs(params, batch) -> logp`` [B, T] host float32: log pi(input_ids[:, t] |
     input_ids[:, :t]) at the response positions (``batch['response_mask']``), 0 elsewhere, from
     ``input_ids`` and ``attention_mask``, on packed rows. Use it with the reference params for
     ``ref_logprobs`` (only when kl_coef != 0) and with the policy params to recompute
-    ``old_logprobs``. ``compute_logprobs(params, batch, with_entropy=True)`` returns ``(logp,
-    entropy)``, the entropy of the temperature-scaled next-token distribution at each response
-    position (pi_old's, for ``algo.entropy_top_fraction``)."""
+    ``old_logprobs``. ``shared_prefix``: as ``TrainStep``'s. ``compute_logprobs(params, batch,
+    with_entropy=True)`` returns ``(logp, entropy)``, the entropy of the temperature-scaled
+    next-token distribution at each response position (pi_old's, for ``algo.entropy_top_fraction``)."""
     model = PackedModel(model_cfg, temperature, chunk_size)
     row_sharding = shd.batch_sharding(mesh, 2)
     in_shardings = (param_shardings(model_cfg, mesh, rules), row_sharding)
@@ -302,7 +311,9 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
         shape = dense["input_ids"].shape
         plan = packing.plan_micro_batches(dense["attention_mask"], dense["response_mask"], np.arange(shape[0]),
                                           tokens_per_device=tokens_per_device, num_devices=shd.batch_divisor(mesh),
-                                          attention_cost=model_cfg.attention_cost_per_key())
+                                          attention_cost=model_cfg.attention_cost_per_key(),
+                                          input_ids=dense["input_ids"] if shared_prefix else None)
+        compute_logprobs.processed.append(packing.summary(plan))
         values = []
         with shd.activate(mesh, rules):
             for mb in plan:
@@ -315,6 +326,7 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
         return packing.scatter_targets(plan, [np.asarray(v) for v in values], shape)
 
     compute_logprobs.jitted = jitted
+    compute_logprobs.processed = []  # what each call packed, as ``TrainStep.processed``
     return compute_logprobs
 
 

@@ -19,7 +19,9 @@ are the call's own tokens and ``kv_mask`` is the attention mask.
 
 Packed rows (the trainer's update and log-prob passes): ``segment_ids`` [B, T] number the
 sequences packed into each row (0 = padding) and ``positions`` restart at 0 in each one; a
-token attends to the earlier tokens of its own segment (``segment_mask``).
+token attends to the earlier tokens of its own segment (``segment_mask``). With a shared prompt
+(``prefix_ids``, ``algos/packing.py``) a response segment also attends to its group's prefix
+segment, and its positions continue from the prefix's length; one [B, 1, T, T] mask either way.
 """
 
 from __future__ import annotations
@@ -267,12 +269,17 @@ def attention_mask(kv_mask: Array, q_len: int, cache_index) -> Array:
     return (causal[None, None] & kv_mask[:, None, None, :].astype(bool)) | own[None, None]
 
 
-def segment_mask(segment_ids: Array) -> Array:
-    """Boolean [B, 1, T, T]: causal attention within packed segments. Padding tokens (segment
-    0) see themselves only, so no softmax row is empty."""
+def segment_mask(segment_ids: Array, prefix_ids: Array | None = None) -> Array:
+    """Boolean [B, 1, T, T]: causal attention within packed segments, and from a token whose
+    ``prefix_ids`` names a segment (its shared prompt, earlier in the row) to that segment too;
+    never to a sibling segment of the same prompt. Padding tokens (segment 0) see themselves
+    only, so no softmax row is empty."""
     slot = jnp.arange(segment_ids.shape[1])
     q_seg, k_seg = segment_ids[:, :, None], segment_ids[:, None, :]
-    same = (q_seg == k_seg) & (slot[None, :] <= slot[:, None]) & (k_seg > 0)
+    seen = q_seg == k_seg
+    if prefix_ids is not None:  # 0 (no shared prefix) matches no key: k_seg > 0 below
+        seen = seen | (prefix_ids[:, :, None] == k_seg)
+    same = seen & (slot[None, :] <= slot[:, None]) & (k_seg > 0)
     return (same | (slot[None, :] == slot[:, None]))[:, None]
 
 
@@ -302,11 +309,11 @@ class Decoder(nn.Module):
                 "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
                 (cfg.hidden_size, cfg.vocab_size), cfg.weight_dtype)
 
-    def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, segment_ids=None):
+    def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, segment_ids=None, prefix_ids=None):
         x = jnp.take(self.embedding, tokens, axis=0).astype(self.cfg.compute_dtype)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
         if segment_ids is not None:
-            mask = segment_mask(segment_ids)
+            mask = segment_mask(segment_ids, prefix_ids)
         else:
             mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)

@@ -66,10 +66,13 @@ def hidden_states(cfg: ModelConfig, params, input_ids: Array, attention_mask: Ar
     return hidden
 
 
-def packed_hidden_states(cfg: ModelConfig, params, tokens: Array, positions: Array, segment_ids: Array) -> Array:
+def packed_hidden_states(cfg: ModelConfig, params, tokens: Array, positions: Array, segment_ids: Array,
+                         prefix_ids: Array | None = None) -> Array:
     """Final-norm hidden states [B, T, D] of packed rows: several sequences per row, numbered
-    by ``segment_ids`` (0 = padding), ``positions`` restarting at 0 in each."""
-    hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, None, segment_ids=segment_ids)
+    by ``segment_ids`` (0 = padding), ``positions`` restarting at 0 in each; a segment whose
+    ``prefix_ids`` name another segment also attends to it (a shared prompt, ``algos/packing.py``)."""
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens, positions, None, segment_ids=segment_ids,
+                                   prefix_ids=prefix_ids)
     return hidden
 
 
