@@ -53,16 +53,19 @@ def _family(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tokenizer_equals_the_family_definition(files, kind):
+    from tokenizers import Tokenizer
     from transformers import AutoTokenizer, Qwen2Tokenizer
 
     path, tokens, merges, folder = files[kind]
     ours = AutoTokenizer.from_pretrained(str(folder))
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))  # as readers other than transformers see it
     via_gguf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     encode = lambda tok, text: tok(text, add_special_tokens=False)["input_ids"]
     differs_in_gguf_reader = []
     for text in HARD_TEXTS:
         want = reference_tokenize(text, tokens, merges, SPECIAL[kind], **_family(kind))
         assert encode(ours, text) == want, text
+        assert raw.encode(text, add_special_tokens=False).ids == want, text
         normalized = unicodedata.normalize("NFC", text) if kind == "qwen2" else text
         assert ours.decode(want) == normalized
         if encode(via_gguf, text) != want:

@@ -148,8 +148,8 @@ def test_math_verify_latex_path_evaluates_no_python(tmp_path):
     """Even past the guard, the LaTeX-only math-verify path treats Python as symbols."""
     marker = tmp_path / "pwned"
     code = f"__import__('os').system('touch {marker}')"
-    assert math_reward._math_verify_equal(code, ["0"], timeout_s=5) is False
-    assert math_reward._math_verify_equal(f"eval(\"open('{marker}','w')\")", ["0"], timeout_s=5) is False
+    assert math_reward._math_verify_equal(code, ["0"]) is False
+    assert math_reward._math_verify_equal(f"eval(\"open('{marker}','w')\")", ["0"]) is False
     assert not marker.exists()
 
 
@@ -167,5 +167,5 @@ def test_math_verify_never_reaches_parse_expr(monkeypatch):
     monkeypatch.setattr(math_verify.parser, "parse_expr", lambda *a, **k: calls.append(a))
     math_verify.parser.parse_expr_cached.cache_clear()
     for answer in ("1/2 + 3*4", "(1+2)^3", "\\frac{1}{2}", "x^2 - 1", "2*(3+4)"):
-        math_reward._math_verify_equal(answer, ["1"], timeout_s=5)
+        math_reward._math_verify_equal(answer, ["1"])
     assert calls == []

@@ -128,19 +128,45 @@ def test_time_limit_holds_for_a_user_reward_on_every_path(num_workers, n):
     assert time.monotonic() - start < 30  # worker start-up included; the sleep alone takes 60 s
 
 
+def unguarded_math(data_source, solution_str, ground_truth, extra_info=None):
+    """The math reward's grading without math_guard: only the time limit can stop it."""
+    from arlopti_jax.tasks import math_reward
+
+    answer = math_reward.last_boxed(solution_str)
+    return float(math_reward._verify_or_false(answer, math_reward.ground_truth_strings(ground_truth)))
+
+
 @pytest.mark.parametrize("num_workers, n", SCORING_PATHS)
-def test_time_limit_holds_for_builtin_math_on_every_path(num_workers, n):
+def test_time_limit_is_the_last_resort_for_math_on_every_path(num_workers, n, monkeypatch):
+    """Past the guard (switched off: in this process for the built-in router's inline paths; by a
+    reward that skips it for the worker pool's), grading a power tower runs until the time limit
+    stops it, and the response gets the failure score on every path, not a path-dependent 0."""
+    from arlopti_jax.tasks import math_reward
+
+    pooled = num_workers > 0 and n >= 8  # where score_batch hands the built-in router to workers
+    fn = unguarded_math if pooled else compute_score
+    monkeypatch.setattr(math_reward, "refusal", lambda answer: None)
     # math-verify loaded (sandbox and workers started) before the clock starts
-    warm = score_batch(compute_score, ["math_dsr"] * n, ["\\boxed{\\frac{1}{2}}"] * n, ["0.5"] * n,
-                       num_workers=num_workers)
+    warm = score_batch(fn, ["math_dsr"] * n, ["\\boxed{\\frac{1}{2}}"] * n, ["0.5"] * n, num_workers=num_workers)
     assert warm == [1.0] * n
     strs = ["\\boxed{2}", "\\boxed{9^{9^{9^{9}}}}"] + ["\\boxed{2}"] * (n - 2)
     start = time.monotonic()
-    got = score_batch(compute_score, ["math_dsr"] * n, strs, ["2"] * n, num_workers=num_workers, timeout_s=1.0)
+    got = score_batch(fn, ["math_dsr"] * n, strs, ["2"] * n, num_workers=num_workers, timeout_s=1.0,
+                      failure_score=-1.0)
     elapsed = time.monotonic() - start
-    assert got == [1.0, 0.0] + [1.0] * (n - 2)
-    # grading the power tower runs until stopped: at this 1 s limit, not math's own 5 s default
-    assert elapsed < 4.0, elapsed
+    assert got == [1.0, -1.0] + [1.0] * (n - 2)
+    assert elapsed < 4.0, elapsed  # stopped at this 1 s limit
+
+
+def test_the_guard_answers_a_power_tower_at_once_on_every_path():
+    """With the guard, the tower never reaches math-verify: 0.0 (a wrong answer), not the failure
+    score, alone, in process and in the worker pool."""
+    for num_workers, n in SCORING_PATHS:
+        strs = ["\\boxed{9^{9^{9^{9}}}}"] + ["\\boxed{2}"] * (n - 1)
+        start = time.monotonic()
+        got = score_batch(compute_score, ["math_dsr"] * n, strs, ["2"] * n, num_workers=num_workers, timeout_s=30.0,
+                          failure_score=-1.0)
+        assert got == [0.0] + [1.0] * (n - 1) and time.monotonic() - start < 25, (num_workers, n)
 
 
 def test_worker_pool_switches_functions_after_kills():
@@ -150,14 +176,6 @@ def test_worker_pool_switches_functions_after_kills():
         assert pool.map(unruly_reward, items, timeout_s=1.0, failure_value=-1.0) == [-1.0, 2.0, -1.0, 3.0]
         assert pool.map(constant_reward, items, timeout_s=5.0) == [0.25] * 4
         assert pool.killed == 2
-
-
-def test_score_batch_hostile_math_answer_is_bounded():
-    strs = ["\\boxed{9^{9^{9^{9}}}}"] + ["\\boxed{2}"] * 9
-    start = time.monotonic()
-    got = score_batch(compute_score, ["math_dsr"] * 10, strs, ["2"] * 10, num_workers=2, timeout_s=2.0)
-    assert time.monotonic() - start < 30
-    assert got == [0.0] + [1.0] * 9
 
 
 def test_score_batch_rejects_bad_inputs():

@@ -13,11 +13,17 @@ Model output is untrusted. It never reaches eval/exec:
   * `is_safe_answer` rejects, before any parsing, answers longer than
     MAX_ANSWER_CHARS, nested deeper than MAX_BRACE_DEPTH, or holding Python-like
     tokens ('__', 'import', 'lambda', 'eval', ...).
-Grading can still be slow (sympy expanding 9^{9^{9^9}} never returns, and signal-based
-timeouts cannot interrupt it), so math-verify runs in a worker process with a hard
-deadline (`workers.WorkerPool`), killed on overrun; the answer then scores 0.0.
-Inside a worker process (batched scoring) it runs in place: that process is already
-the sandbox, and the batch scorer enforces the deadline.
+Grading can be slow (sympy computing 9^{9^{9}} takes longer than anyone waits), and a
+time limit makes a score depend on the machine's speed: so before math-verify sees an
+answer, `math_guard.refusal` refuses, from the text alone, every shape that was measured
+to be slow (power towers, huge numbers, deep nesting, calculus, ...), and a refused answer
+scores as a wrong one. The same response then scores the same alone, in a batch, with any
+number of workers and on a repeat. math-verify's own signal-based limits are off (they
+made a result depend on timing); the time limit stays as the last resort: math-verify
+runs in a worker process with a hard deadline (`workers.WorkerPool`), killed on overrun,
+and the response then gets the batch scorer's failure score on every path (`GradingStopped`).
+Inside a worker process (batched scoring) it runs in place: that process is already the
+sandbox, and the batch scorer enforces the deadline.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from arlopti_jax.tasks import workers
+from arlopti_jax.tasks.math_guard import refusal
 
 ASSISTANT_MARKER = "<|im_start|>assistant"
 DEFAULT_TIMEOUT_S = 5.0
@@ -152,26 +159,42 @@ def ground_truth_strings(ground_truth: Any) -> list[str]:
 
 
 # ---------------------------------------------------------------- symbolic match
+class GradingStopped(RuntimeError):
+    """math-verify overran its time limit (or its process died): the last resort, which the
+    guard keeps from happening; the batch scorer gives the response its failure score."""
+
+
 def warm_up() -> None:
     """Import math-verify and build its parser once (run in each new worker)."""
-    _math_verify_equal("1", ["1"], timeout_s=DEFAULT_TIMEOUT_S)
+    _math_verify_equal("1", ["1"])
 
 
-def _math_verify_equal(answer: str, truths: Sequence[str], timeout_s: float) -> bool:
-    """math-verify on LaTeX only. Runs in a worker process (see module docstring)."""
+def _math_verify_equal(answer: str, truths: Sequence[str]) -> bool:
+    """math-verify on LaTeX only, without its own time limits (a result that depends on timing):
+    the process around it enforces one. Runs in a worker process (see module docstring)."""
+    import logging
+
     from math_verify import LatexExtractionConfig, parse, verify
 
-    # math-verify's own limits use SIGALRM, which works only on the main thread.
-    limit = max(1, math.ceil(timeout_s)) if threading.current_thread() is threading.main_thread() else None
+    for name in ("math_verify.parser", "math_verify.grader"):  # "timeout is disabled": it is ours
+        logging.getLogger(name).setLevel(logging.ERROR)
     config = [LatexExtractionConfig(boxed_match_priority=0)]
-    predicted = parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=limit)
+    predicted = parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=None)
     if not predicted:
         return False
     for truth in truths:
-        gold = parse("\\boxed{" + truth + "}", extraction_config=config, parsing_timeout=limit)
-        if gold and verify(gold, predicted, timeout_seconds=limit):
+        gold = parse("\\boxed{" + truth + "}", extraction_config=config, parsing_timeout=None)
+        if gold and verify(gold, predicted, timeout_seconds=None):
             return True
     return False
+
+
+def _verify_or_false(answer: str, truths: Sequence[str]) -> bool:
+    """math-verify, with an answer it raises on counted as not equal."""
+    try:
+        return _math_verify_equal(answer, truths)
+    except Exception:
+        return False
 
 
 _sandbox: workers.WorkerPool | None = None
@@ -189,23 +212,30 @@ def _get_sandbox() -> workers.WorkerPool:
         return _sandbox
 
 
+def verify_in_sandbox(answer: str, truths: Sequence[str], timeout_s: float) -> bool:
+    """math-verify in the sandbox process, killed past ``timeout_s``: GradingStopped then."""
+    result = _get_sandbox().map(_verify_or_false, [(answer, truths)], timeout_s, None)[0]
+    if result is None:
+        raise GradingStopped(f"math grading of {answer[:40]!r} overran its {timeout_s:g} s limit")
+    return bool(result)
+
+
 def answers_match(answer: str, truths: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """String match, then math-verify under a hard time limit; unsafe answers never match."""
+    """String match, then math-verify under a hard time limit. Unsafe answers, and answers the
+    guard refuses (``math_guard``), never match by math-verify."""
     if not answer.strip() or not is_safe_answer(answer):
         return False
     normalized = normalize_answer(answer)
     if normalized and any(normalized == normalize_answer(t) for t in truths):
         return True
-    truths = [t for t in truths if is_safe_answer(t)]
+    if refusal(answer) is not None:
+        return False
+    truths = [t for t in truths if is_safe_answer(t) and refusal(t) is None]
     if not truths:
         return False
-    if workers.in_worker():
-        try:
-            return _math_verify_equal(answer, truths, timeout_s)
-        except Exception:
-            return False
-    result = _get_sandbox().map(_math_verify_equal, [(answer, truths, timeout_s)], timeout_s, False)
-    return bool(result[0])
+    if workers.in_worker():  # the pool around this process enforces the limit
+        return _verify_or_false(answer, truths)
+    return verify_in_sandbox(answer, truths, timeout_s)
 
 
 def math_answer(solution_str: str, ground_truth: Any = None) -> str | None:
