@@ -6,6 +6,7 @@
     python -m arlopti_jax.reproduce --scale gpu --jobs 5  # on one GPU: 3-5 people, a 24M model, 5 runs at once
     python -m arlopti_jax.reproduce --scale smollm2       # a real pretrained model (docs/real_model.md)
     python -m arlopti_jax.reproduce --scale smollm2 --variants grpo_2x_steps   # Lopti's step count, for GRPO
+    python -m arlopti_jax.reproduce --scale smollm2 --matched --out OUT         # 8 methods, step-matched, own rates
 
 Every run trains the embedded default's start point (``start_point.py``, built once in
 ``OUT/start_point``) on the same data with the same budget (``default_config.py``, steps set
@@ -16,6 +17,18 @@ by ``--steps``), varying only the method and the seed (the sampling seed and the
     grpo_lopti      GRPO + Lopti (eta 0.4)
     grpo_ar_lopti   GRPO + AR + Lopti (alpha 0.3, eta 0.5)
     tr_grpo         TR-GRPO (token weights of ``algos/token_weights.py``)
+
+and, beside them (not in the default five): ``gspo`` (GSPO's sequence-level ratio, its clip range
+3e-4/4e-4 and per-sequence mean), ``cispo`` (CISPO, weights capped at 5) and ``top_entropy`` (the
+80/20 rule: the policy gradient on the batch's 20% highest-entropy tokens), and the control
+``grpo_2x_steps``.
+
+``--matched`` runs the step-matched protocol of ``matched.py`` instead: the eight methods, each
+making the same optimizer steps per RL step (a single-pass method's mini-batch divided to make as
+many as Lopti's two passes) at its own learning rate, the best of ``--lr-grid`` on a validation
+split of the training problems (a grid of runs in ``OUT/grid`` first, ``--grid-seeds``), then
+``--seeds`` (default 0-4) of each on the test set; the report is ``OUT/matched.md``, and each run's
+record holds the command that reproduces its cell (``--lr METHOD=RATE`` skips the grid).
 
 ``--scale`` picks the start point (``start_point.SCALES``) and the run settings that go with it
 (``SCALE_RUNS``): ``cpu`` (the default) is the embedded default's (2 and 3 people, a 0.85M-parameter
@@ -53,8 +66,9 @@ import logging
 import sys
 from pathlib import Path
 
+from arlopti_jax import matched
 from arlopti_jax.cli import startup_done
-from arlopti_jax.sweep import PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
+from arlopti_jax.sweep import MATCHED_METHODS, PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
 from arlopti_jax.sweep_report import mechanism, mechanism_table, summary_table, write_report
 
 
@@ -112,11 +126,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arlopti_jax.reproduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/reproduce", help="output folder (default: %(default)s)")
-    ap.add_argument("--variants", default=",".join(PAPER_VARIANTS),
-                    help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: the paper's five; "
-                         "grpo_2x_steps is a control: GRPO with the mini-batch halved, as many optimizer steps "
-                         "per RL step as Lopti's two passes)")
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: %(default)s)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: the paper's five, or with "
+                         "--matched the eight methods; grpo_2x_steps is a control: GRPO with the mini-batch halved, as "
+                         "many optimizer steps per RL step as Lopti's two passes)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2; with --matched 0,1,2,3,4)")
     ap.add_argument("--scale", default="cpu", choices=list(SCALE_RUNS),
                     help="start point and run settings: cpu (2-3 people, 0.85M model), gpu (3-5 people, "
                          "24M model, bfloat16), smollm2 or smollm2-gpu (the pretrained SmolLM2-135M-Instruct on "
@@ -135,13 +149,16 @@ def main(argv=None) -> int:
                          "8 test prompts")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's index
     ap.add_argument("--start-point-only", action="store_true", help=argparse.SUPPRESS)
+    matched.add_arguments(ap)
     args = ap.parse_args(argv)
+    args.variants = args.variants or ",".join(MATCHED_METHODS if args.matched else PAPER_VARIANTS)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variant(s) {unknown}: choose from {list(VARIANTS)}")
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: must be >= 1")
+    matched.check_arguments(ap, args)
     if args.worker is not None:
         quiet_progress_bars()
     problem = startup_problem(args)
@@ -154,7 +171,8 @@ def main(argv=None) -> int:
     compile_cache.enable(base_config(args.scale).compile_cache_dir)  # before anything compiles; workers too
     steps = args.steps or (QUICK["steps"] if args.quick else SCALE_RUNS[args.scale]["steps"]
                            or base_config(args.scale).train.max_steps)
-    seeds = [int(s) for s in (QUICK["seeds"] if args.quick and args.seeds == "0,1,2" else args.seeds).split(",")]
+    default_seeds = QUICK["seeds"] if args.quick else matched.COMPARISON_SEEDS if args.matched else "0,1,2"
+    seeds = [int(s) for s in (args.seeds or default_seeds).split(",")]
     eval_prompts = args.eval_prompts or (QUICK["eval_prompts"] if args.quick else 0)
     out = Path(args.out)
     sweep = Sweep(out, args.variants.split(","), seeds, steps, eval_prompts, QUICK["sizes"] if args.quick else None,
@@ -165,6 +183,10 @@ def main(argv=None) -> int:
         if args.start_point_only:
             sweep.start_point()
             return 0
+        if args.matched:  # the grid, the choice, the comparison and its report (matched.py)
+            args.steps, args.eval_prompts, args.seeds = steps, eval_prompts, ",".join(map(str, seeds))
+            args.argv = sys.argv[1:] if argv is None else list(argv)
+            return matched.run(args, QUICK["sizes"] if args.quick else None)
         if args.worker is not None:
             sweep.run()
             return 0

@@ -15,17 +15,28 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {  # name: (label, weighting, ar alpha, lopti eta, mini-batch divisor: x optimizer steps)
-    "grpo": ("GRPO", "none", 0.0, 0.0, 1),
-    "grpo_ar": ("GRPO + AR", "ar", 0.2, 0.0, 1),
-    "grpo_lopti": ("GRPO + Lopti", "none", 0.0, 0.4, 1),
-    "grpo_ar_lopti": ("GRPO + AR + Lopti", "ar", 0.3, 0.5, 1),
-    "tr_grpo": ("TR-GRPO", "tr", 0.0, 0.0, 1),
+# name: (label, the config fields that make the method, mini-batch divisor: x optimizer steps). Every
+# run starts from GRPO's method fields (METHOD_BASE: a scale's config file may name another method).
+VARIANTS = {
+    "grpo": ("GRPO", {}, 1),
+    "grpo_ar": ("GRPO + AR", {"algo.weighting": "ar", "algo.ar_alpha": 0.2}, 1),
+    "grpo_lopti": ("GRPO + Lopti", {"algo.lopti_eta": 0.4}, 1),
+    "grpo_ar_lopti": ("GRPO + AR + Lopti", {"algo.weighting": "ar", "algo.ar_alpha": 0.3, "algo.lopti_eta": 0.5}, 1),
+    "tr_grpo": ("TR-GRPO", {"algo.weighting": "tr"}, 1),
+    # the token-level methods practitioners use instead, at their papers' settings: GSPO's sequence
+    # ratio with its clip range and per-sequence mean; CISPO's weight bound (ScaleRL's); the 80/20 rule
+    "gspo": ("GSPO", {"loss.ratio_level": "sequence", "loss.clip_low": 3e-4, "loss.clip_high": 4e-4,
+                      "loss.agg": "seq-mean-token-mean"}, 1),
+    "cispo": ("CISPO", {"loss.mode": "cispo", "loss.cispo_max_weight": 5.0}, 1),
+    "top_entropy": ("80/20 (top 20% entropy)", {"algo.entropy_top_fraction": 0.2}, 1),
     # a control, not a method: GRPO with the mini-batch halved, so that it takes as many optimizer
     # steps per RL step as Lopti's two passes do (docs/real_model.md, section 5)
-    "grpo_2x_steps": ("GRPO, 2x optimizer steps", "none", 0.0, 0.0, 2),
+    "grpo_2x_steps": ("GRPO, 2x optimizer steps", {}, 2),
 }
-PAPER_VARIANTS = tuple(name for name, v in VARIANTS.items() if v[4] == 1)  # reproduce's default: the methods
+METHOD_BASE = {"algo.weighting": "none", "algo.ar_alpha": 0.0, "algo.lopti_eta": 0.0, "loss.mode": "ppo",
+               "loss.ratio_level": "token", "algo.entropy_top_fraction": 0.0}
+PAPER_VARIANTS = ("grpo", "grpo_ar", "grpo_lopti", "grpo_ar_lopti", "tr_grpo")  # reproduce's default
+MATCHED_METHODS = PAPER_VARIANTS + ("gspo", "cispo", "top_entropy")  # reproduce --matched's (matched.py)
 # Per start point scale: RL steps per run (None: the default config's) and the default config's
 # fields that change; the compute dtype is the start point's (start_point.SCALES). gpu: 5-person
 # prompts are at most 178 tokens and the longest SFT target (a 5-person answer block) 43 tokens
@@ -104,12 +115,16 @@ def pretrained_start_point(folder: Path, scale: str) -> Path:
 
 
 def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, steps: int, eval_prompts: int,
-               diagnostics_every: int, eval_before: bool, scale: str = "cpu", dtype: str = "float32"):
+               diagnostics_every: int, eval_before: bool, scale: str = "cpu", dtype: str = "float32", *,
+               optimizer_steps: int = 0, lr: float = 0.0, data: tuple[str, str] | None = None):
     """The scale's base config (``base_config``) with the scale's changes, one variant's method, a
-    seed, the shared start point (computing in ``dtype``, as its warm start did) and the budget."""
-    _, weighting, alpha, eta, step_factor = VARIANTS[variant]
+    seed, the shared start point (computing in ``dtype``, as its warm start did) and the budget.
+    ``optimizer_steps`` > 0 divides the mini-batch so that the run makes that many optimizer steps
+    per RL step (the step-matched protocol; otherwise the variant's own divisor); ``lr`` > 0 sets
+    the learning rate; ``data`` = (train files, test files) replaces the start point's."""
+    _, fields, step_factor = VARIANTS[variant]
     c = base.copy_and_resolve_references()
-    for field, value in SCALE_RUNS[scale]["config"].items():
+    for field, value in {**SCALE_RUNS[scale]["config"], **METHOD_BASE, **fields}.items():
         section, name = field.split(".")
         c[section][name] = value
     c.model.dtype = dtype
@@ -119,7 +134,18 @@ def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, 
     c.model.path = str(start_point / "model")
     c.data.train_files = str(start_point / "data" / "train.parquet")
     c.data.test_files = ",".join(str(p) for p in sorted((start_point / "data").glob("test_*.parquet")))
-    c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta
+    if data is not None:
+        c.data.train_files, c.data.test_files = data
+    if lr > 0:
+        c.optim.lr = lr
+    from arlopti_jax.run_setup import optimizer_steps_per_rl_step
+
+    if optimizer_steps:
+        own = optimizer_steps_per_rl_step(c)
+        if optimizer_steps % own:
+            raise ValueError(f"variant {variant} makes {own} optimizer steps per RL step, which does not divide "
+                             f"{optimizer_steps}")
+        step_factor = optimizer_steps // own
     if step_factor > 1:  # smaller mini-batches, more optimizer steps; the micro-batch fitted to them
         if c.train.mini_batch % step_factor:
             raise ValueError(f"variant {variant} divides train.mini_batch ({c.train.mini_batch}) by {step_factor}")
@@ -130,8 +156,6 @@ def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, 
     c.train.save_every = max(1, min(c.train.save_every, steps))
     c.train.export_at_end = False
     c.train.eval_before = eval_before
-    from arlopti_jax.run_setup import optimizer_steps_per_rl_step
-
     total = steps * optimizer_steps_per_rl_step(c)  # a short budget (--quick) keeps a warm-up shorter than it
     c.optim.warmup_steps = min(c.optim.warmup_steps, total // 2)
     if eval_prompts > 0:
@@ -176,11 +200,14 @@ def model_params(start_point: Path) -> int:
 
 class Sweep:
     """Runs, records and resumes the sweep in ``out``. As worker ``worker`` of a --jobs sweep it runs
-    the runs it claims, reads ``out/results.json`` but writes only its own records file."""
+    the runs it claims, reads ``out/results.json`` but writes only its own records file. The start
+    point lives in ``start_point_dir`` (default ``out/start_point``), which several sweeps may share."""
 
     def __init__(self, out: Path, variants: list[str], seeds: list[int], steps: int, eval_prompts: int,
-                 sizes: dict | None, diagnostics_every: int, scale: str = "cpu", worker: int | None = None):
+                 sizes: dict | None, diagnostics_every: int, scale: str = "cpu", worker: int | None = None,
+                 start_point_dir: Path | None = None):
         self.out, self.variants, self.seeds, self.steps = out, variants, seeds, steps
+        self.start_point_dir = start_point_dir or out / "start_point"
         self.eval_prompts, self.sizes, self.diagnostics_every = eval_prompts, sizes, diagnostics_every
         self.scale, self.worker = scale, worker
         self.results_path = out / "results.json"
@@ -206,9 +233,9 @@ class Sweep:
 
         t0 = time.time()
         if self.scale in PRETRAINED:
-            folder = pretrained_start_point(self.out / "start_point", self.scale)
+            folder = pretrained_start_point(self.start_point_dir, self.scale)
         else:
-            folder = ensure_start_point(self.out / "start_point", seed=0, sizes=self.sizes, scale=self.scale)
+            folder = ensure_start_point(self.start_point_dir, seed=0, sizes=self.sizes, scale=self.scale)
         self.results.setdefault("start_point_s", time.time() - t0)
         return folder
 
@@ -247,8 +274,7 @@ class Sweep:
             # the start point is evaluated once (in a --jobs sweep, by the worker that claims it)
             eval_before = "start_eval" not in self.results and (
                 self.worker is None or claim(self.out, "start_eval", self.worker))
-            config = run_config(base, variant, seed, run_dir, start_point, self.steps, self.eval_prompts,
-                                self.diagnostics_every, eval_before, self.scale, dtype)
+            config = self.run_config(base, variant, seed, run_dir, start_point, eval_before, dtype)
             validate(config)
             t = time.time()
             summary = train(config)
@@ -265,6 +291,7 @@ class Sweep:
                                         for m in metrics if "quartile/q1_grad_norm" in m],
                 "isolation": next(([[m[f"isolation/{c}_q{i}"] for i in range(1, 5)] for c in ("low", "high")]
                                    for m in metrics if "isolation/low_q1" in m), None),
+                **self.describe(name, config),
             }
             self.save()
             if summary["preempted"]:
@@ -275,6 +302,19 @@ class Sweep:
             self.results["sweep_s"] = self.results.get("sweep_s", 0.0) + time.time() - started
         self.save()
         return self.results
+
+    def run_config(self, base, variant: str, seed: int, run_dir: Path, start_point: Path, eval_before: bool,
+                   dtype: str):
+        """One run's config (``run_config`` with this sweep's settings)."""
+        return run_config(base, variant, seed, run_dir, start_point, self.steps, self.eval_prompts,
+                          self.diagnostics_every, eval_before, self.scale, dtype)
+
+    def describe(self, name: str, config) -> dict:
+        """What a run's record says of its settings besides its variant and seed."""
+        from arlopti_jax.run_setup import optimizer_steps_per_rl_step
+
+        return {"lr": config.optim.lr, "mini_batch": config.train.mini_batch,
+                "optimizer_steps_per_rl_step": optimizer_steps_per_rl_step(config)}
 
     def run_jobs(self, jobs: int, worker_args: list[str]) -> dict:
         """The sweep in ``jobs`` worker processes (``python -m arlopti_jax.reproduce WORKER_ARGS
@@ -290,7 +330,7 @@ class Sweep:
         command = [sys.executable, "-m", "arlopti_jax.reproduce", *worker_args]
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.merge_workers()  # records of an interrupted --jobs sweep
-        folder = self.out / "start_point"
+        folder = self.start_point_dir
         if self.scale in PRETRAINED:  # converted on the host: no device work
             self.start_point()
         elif not check_start_point(folder, self.scale, 0, self.sizes):  # built by one process, on the whole device

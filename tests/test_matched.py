@@ -1,0 +1,170 @@
+"""The step-matched protocol (reproduce --matched, arlopti_jax/matched.py): matched optimizer steps,
+the validation split, the learning-rate choice, and the report's statistics against numpy, on
+synthetic records (no training); the protocol end to end on the --quick start point is slow."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arlopti_jax import matched, sweep
+from arlopti_jax.matched_report import accuracy_table, paired_table, quartile_table, write_matched_report
+from arlopti_jax.run_setup import optimizer_steps_per_rl_step
+
+
+@pytest.mark.parametrize("scale", ["cpu", "smollm2", "smollm2-gpu"])
+def test_every_method_makes_the_same_optimizer_steps_and_differs_only_in_its_method(scale, tmp_path):
+    base = sweep.base_config(scale)
+    steps = matched.matched_optimizer_steps(base, scale)
+    own = {m: optimizer_steps_per_rl_step(sweep.run_config(base, m, 0, tmp_path, tmp_path, 8, 0, 0, False, scale))
+           for m in sweep.MATCHED_METHODS}
+    assert steps == max(own.values()) == 2 * own["grpo"] == own["grpo_lopti"]  # Lopti's two passes set it
+
+    def config(method, **kw):
+        return sweep.run_config(base, method, 0, tmp_path, tmp_path, 8, 0, 0, False, scale, optimizer_steps=steps,
+                                lr=2e-6, data=("fit.parquet", "val.parquet"), **kw)
+
+    grpo = config("grpo")
+    assert optimizer_steps_per_rl_step(grpo) == steps and grpo.optim.lr == 2e-6
+    assert (grpo.data.train_files, grpo.data.test_files) == ("fit.parquet", "val.parquet")
+    # grpo_2x_steps, made general: matched GRPO is the control with the rate and data set
+    control = sweep.run_config(base, "grpo_2x_steps", 0, tmp_path, tmp_path, 8, 0, 0, False, scale, lr=2e-6,
+                               data=("fit.parquet", "val.parquet"))
+    assert grpo.to_dict() == control.to_dict()
+    flat = lambda c: {f"{g}.{k}": v for g, sec in c.to_dict().items() if isinstance(sec, dict) for k, v in sec.items()}
+    for method in sweep.MATCHED_METHODS:
+        c = config(method)
+        assert optimizer_steps_per_rl_step(c) == steps, method
+        differs = {k for k, v in flat(c).items() if flat(grpo)[k] != v}
+        allowed = set(sweep.VARIANTS[method][1]) | {"train.mini_batch", "train.micro_batch"}
+        assert differs <= allowed, (method, differs - allowed)
+
+
+def test_validation_split_is_drawn_once_from_the_training_problems(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "sp" / "data"
+    data.mkdir(parents=True)
+    pq.write_table(pa.table({"q": [f"problem {i}" for i in range(50)], "i": list(range(50))}), data / "train.parquet")
+    train, val = matched.split_train(tmp_path / "sp", tmp_path / "split", 12)
+    t, v = pq.read_table(train).column("i").to_pylist(), pq.read_table(val).column("i").to_pylist()
+    assert len(v) == 12 and sorted(t + v) == list(range(50)) and not set(t) & set(v)
+    assert t == sorted(t) and v != list(range(12))  # drawn, not the first rows; training order kept
+    again = matched.split_train(tmp_path / "sp", tmp_path / "split2", 12)
+    assert pq.read_table(again[1]).column("i").to_pylist() == v  # the same split from the same data
+    assert matched.split_train(tmp_path / "sp", tmp_path / "split", 12) == (train, val)  # reused
+    with pytest.raises(SystemExit, match="holds a validation split of 12 problems, not --val-prompts 10"):
+        matched.split_train(tmp_path / "sp", tmp_path / "split", 10)
+
+
+def record(variant, seed, sampled, greedy, passk, norms=None):
+    ev = {"step": 8, "eval/avg/sampled_acc": sampled, "eval/avg/greedy_acc": greedy, "eval/avg/pass@4": passk,
+          "eval/avg/pass@1": sampled}
+    return {"variant": variant, "seed": seed, "finished": True, "evals": [ev], "rewards": [0.1],
+            "quartile_grad_norms": [[0, *row] for row in (norms if norms is not None else [])], "isolation": None,
+            "lr": 1e-6, "mini_batch": 8, "optimizer_steps_per_rl_step": 4}
+
+
+def test_the_choice_is_the_best_mean_validation_sampled_accuracy():
+    lrs, seeds = [1e-6, 3e-6, 1e-5], [100, 101]
+    sampled = {("grpo", 1e-6): (0.2, 0.3), ("grpo", 3e-6): (0.5, 0.4), ("grpo", 1e-5): (0.45, 0.44),
+               ("cispo", 1e-6): (0.6, 0.6), ("cispo", 3e-6): (0.6, 0.6), ("cispo", 1e-5): (0.1, 0.2)}
+    greedy = {("cispo", 1e-6): 0.7, ("cispo", 3e-6): 0.8}
+    runs = {f"{matched.grid_name(m, lr)}/seed{s}": record(matched.grid_name(m, lr), s, v[i],
+                                                              greedy.get((m, lr), 0.5), 0.9)
+            for (m, lr), v in sampled.items() for i, s in enumerate(seeds)}
+    choice = matched.choose_lrs({"runs": runs}, ["grpo", "cispo"], lrs, seeds)
+    assert choice["grpo"]["lr"] == 3e-6 and not choice["grpo"]["edge"]  # 0.45 > 0.445 > 0.25
+    assert choice["cispo"]["lr"] == 3e-6  # a tie on sampled accuracy: the greedy one decides
+    mean, se, n = choice["grpo"]["scores"]["3e-06"]["sampled"]
+    assert (mean, n) == (pytest.approx(0.45), 2) and se == pytest.approx(np.std([0.5, 0.4], ddof=1) / math.sqrt(2))
+    del runs["cispo@lr1e-05/seed101"]
+    with pytest.raises(SystemExit, match=r"grid is missing 1 runs \(cispo@lr1e-05/seed101"):
+        matched.choose_lrs({"runs": runs}, ["grpo", "cispo"], lrs, seeds)
+    assert matched.parse_name("top_entropy@lr3e-06") == ("top_entropy", 3e-6)
+    assert matched.parse_lrs("grpo=3e-6,gspo=1e-5") == {"grpo": 3e-6, "gspo": 1e-5}
+    for bad, message in (("ppo=1e-6", "'ppo' is not one of"), ("grpo=fast", "expected METHOD=RATE"),
+                         ("grpo=0", "must be > 0")):
+        with pytest.raises(SystemExit, match=message):
+            matched.parse_lrs(bad)
+
+
+def table_rows(table: str) -> dict[str, list[str]]:
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    return {r.split("|")[1].strip(): [c.strip() for c in r.strip().strip("|").split("|")[1:]] for r in rows}
+
+
+def test_report_means_standard_errors_and_paired_differences_match_numpy(tmp_path):
+    rng = np.random.default_rng(0)
+    seeds = [0, 1, 2, 3, 4]
+    values = {m: rng.uniform(0.3, 0.9, (len(seeds), 3)) for m in ("grpo", "grpo_lopti", "cispo")}
+    norms = {m: rng.uniform(0.01, 1.0, (len(seeds), 2, 4)) for m in values}
+    runs = {f"{m}/seed{s}": record(m, s, *values[m][i], norms=norms[m][i]) for m in values
+            for i, s in enumerate(seeds)}
+    del runs["cispo/seed3"]  # a missing run: cispo is paired with GRPO on 4 seeds
+    results = {"runs": runs, "steps": 8, "seeds": seeds, "eval_prompts": 64, "diagnostics_every": 2,
+               "matched": {"optimizer_steps_per_rl_step": 4, "lr": {"grpo": 3e-6, "grpo_lopti": 1e-5, "cispo": 1e-6},
+                           "lr_grid": [1e-6, 3e-6, 1e-5], "grid_seeds": [100, 101], "val_prompts": 128,
+                           "fixed_lr": {}, "choice": {}}}
+    acc = table_rows(accuracy_table(results))
+    cispo = np.delete(values["cispo"], 3, axis=0)
+    for label, x in (("GRPO", values["grpo"]), ("CISPO", cispo)):
+        for j, k in enumerate((1, 0, 2)):  # the columns greedy, sampled, pass@4; the record's values sampled, greedy
+            want = f"{x[:, k].mean():.3f} ± {x[:, k].std(ddof=1) / math.sqrt(len(x)):.3f}"
+            assert acc[label][2 + j] == want, (label, j)
+    assert acc["CISPO"][:2] == ["1e-06", "4"]
+    paired = table_rows(paired_table(results))
+    assert "GRPO" not in paired and paired["CISPO"][0] == "4"
+    d = cispo[:, 0] - np.delete(values["grpo"], 3, axis=0)[:, 0]  # sampled accuracy, seeds 0, 1, 2, 4
+    assert paired["CISPO"][2] == f"{d.mean():+.3f} ({d.std(ddof=1) / math.sqrt(4):.3f})"
+    quart = table_rows(quartile_table(results))
+    per_run = norms["grpo_lopti"].mean(axis=1)  # mean over each run's logged steps
+    ratio = per_run[:, 0] / per_run[:, 3]
+    assert quart["GRPO + Lopti"][1] == f"{per_run[:, 0].mean():.4f} ± {per_run[:, 0].std(ddof=1) / math.sqrt(5):.4f}"
+    assert quart["GRPO + Lopti"][5] == f"{ratio.mean():.1f} ± {ratio.std(ddof=1) / math.sqrt(5):.1f}"
+    report = write_matched_report(results, {"runs": {}}, tmp_path, "reproduce --matched").read_text()
+    assert "Every run made 4 optimizer steps per RL step (" in report and "NOT MATCHED" not in report
+    assert "never the test set" in report and "## Gradient norm per pi_old quartile" in report
+
+
+def run_quick_matched(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "arlopti_jax.reproduce", "--quick", "--matched", "--out", str(out),
+                           "--val-prompts", "16", "--diagnostics-every", "1", *extra],
+                          capture_output=True, text=True, env=env, timeout=1800)
+
+
+@pytest.mark.slow  # 9 tiny runs and a repeat of one: about 7 minutes on 2 cores
+def test_quick_matched_protocol_end_to_end_and_a_cell_reproduced_from_its_record(tmp_path):
+    out = tmp_path / "m"
+    proc = run_quick_matched(out, "--variants", "grpo,grpo_lopti,top_entropy", "--seeds", "0,1", "--lr-grid",
+                             "1e-4,3e-4,1e-3", "--grid-seeds", "100", "--lr", "grpo_lopti=1e-3,top_entropy=3e-4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grid = json.loads((out / "grid" / "results.json").read_text())
+    assert sorted(grid["runs"]) == [f"grpo@lr{lr}/seed100" for lr in ("0.0001", "0.0003", "0.001")]
+    assert all(set(e) >= {"eval/val/sampled_acc"} for r in grid["runs"].values() for e in r["evals"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["matched"]["lr"]["grpo_lopti"] == 1e-3 and results["matched"]["lr"]["grpo"] in (1e-4, 3e-4, 1e-3)
+    for name, run in results["runs"].items():
+        assert run["finished"] and run["optimizer_steps_per_rl_step"] == 4, name
+        assert run["lr"] == results["matched"]["lr"][run["variant"]]
+        assert any(k.startswith("eval/test_") for k in run["evals"][-1]) and run["quartile_grad_norms"]
+    report = (out / "matched.md").read_text()
+    assert "## Learning rates chosen on validation" in report and "80/20" in report
+    # a cell from its record alone: the same evaluation
+    cell = results["runs"]["top_entropy/seed1"]
+    command = cell["command"].replace("OUT", str(tmp_path / "again")).split()
+    assert command[:3] == ["python", "-m", "arlopti_jax.reproduce"]
+    again = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    redo = json.loads((tmp_path / "again" / "results.json").read_text())["runs"]["top_entropy/seed1"]
+    assert redo["evals"] == cell["evals"] and redo["rewards"] == cell["rewards"]
+    assert re.search(r"\| 80/20 \(top 20% entropy\) \| 0.0003 \| 1 \|", (tmp_path / "again" / "matched.md").read_text())
