@@ -185,10 +185,14 @@ def run(args, sizes: dict | None) -> int:
     out = Path(args.out)
     methods = args.variants.split(",")
     fixed = parse_lrs(args.lr or "")
-    grid_lrs = sorted(float(x) for x in args.lr_grid.split(","))
-    grid_seeds = [int(s) for s in args.grid_seeds.split(",")]
-    if len(grid_lrs) < 3 and any(m not in fixed for m in methods):
-        raise SystemExit(f"error: --lr-grid {args.lr_grid}: give at least 3 rates")
+    try:
+        grid_lrs = sorted({float(x) for x in args.lr_grid.split(",")})
+        grid_seeds = [int(s) for s in args.grid_seeds.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --lr-grid {args.lr_grid} / --grid-seeds {args.grid_seeds}: expected "
+                         "comma-separated numbers") from None
+    if (len(grid_lrs) < 3 or min(grid_lrs) <= 0) and any(m not in fixed for m in methods):
+        raise SystemExit(f"error: --lr-grid {args.lr_grid}: give at least 3 distinct rates, each > 0")
     base = base_config(args.scale)
     steps = matched_optimizer_steps(base, args.scale)
     common = dict(sizes=sizes, scale=args.scale, worker=args.worker, start_point_dir=out / "start_point",
@@ -201,7 +205,10 @@ def run(args, sizes: dict | None) -> int:
         return 0
     if searched and args.worker is None:
         print(f"learning-rate grid: {len(grid.variants) * len(grid_seeds)} runs in {out / 'grid'}", file=sys.stderr)
-        grid.run_jobs(args.jobs, worker_args(args, "grid")) if args.jobs > 1 else grid.run()
+        if args.jobs > 1:
+            grid.run_jobs(args.jobs, worker_args(args, "grid"))
+        else:
+            grid.run()
         if grid.problems:
             raise SystemExit("\n".join(grid.problems) + "\nrun the same command again to resume")
     choice = choose_lrs(grid.results, searched, grid_lrs, grid_seeds) if searched else {}
