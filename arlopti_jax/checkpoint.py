@@ -11,6 +11,7 @@ the previous one.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from arlopti_jax import faults
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +31,15 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True),
+                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
+                temporary_path_class=_fault_injecting_rename() if _checkpoint_fault() else None),
         )
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Start saving (asynchronously); returns once device buffers are safe to donate."""
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        faults.point("checkpoint_write")  # the step folder is being written
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -64,6 +69,28 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _checkpoint_fault() -> bool:
+    return os.environ.get(faults.ENV, "").startswith("checkpoint_commit")
+
+
+def _fault_injecting_rename():
+    """Orbax's atomic rename (its protocol on a local disk) with the fault sites just before and
+    just after the commit. Used only when ARLOPTI_FAULT names one of them: otherwise orbax
+    chooses the protocol for the storage (a commit file on GCS)."""
+    from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
+
+    class FaultInjectingRename(AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            step = self.get_final().name.isdigit()  # the step folder's commit, not one of its items'
+            if step:
+                faults.point("checkpoint_commit")
+            await super().finalize(*args, **kwargs)
+            if step:
+                faults.point("checkpoint_committed")
+
+    return FaultInjectingRename
 
 
 class PreemptionFlag:

@@ -146,6 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed.coordinator = ""  # host:port; "" = auto-detect (TPU pods, SLURM) or single process
     c.distributed.num_processes = 0
     c.distributed.process_id = -1
+    c.distributed.heartbeat_timeout_s = 100
     return c
 
 
@@ -158,7 +159,8 @@ FIELD_DOCS = {
               "exist; or a checkpoint step folder",
     "compile_cache_dir": "JAX's persistent compilation cache: compiled programs are saved here and reused by later "
                          "runs, resumes and evaluations (per user: they depend on the model, not the run; a folder "
-                         "all hosts share lets every host reuse them); `\"\"` = off",
+                         "all hosts share lets every host reuse them, e.g. `gs://bucket/jax_cache` with gcsfs "
+                         "installed); `\"\"` = off",
     "model.path": "local Hugging Face folder (config.json, tokenizer, safetensors, optional "
                   "generation_config.json); `\"\"` = the embedded start point",
     "model.dtype": "activation dtype (`float32`, `bfloat16`); log-probs and losses are float32",
@@ -285,6 +287,8 @@ FIELD_DOCS = {
                                "JAX's detection (Cloud TPU)",
     "distributed.num_processes": "process count (0 = from SLURM or JAX)",
     "distributed.process_id": "this process's id (-1 = from SLURM or JAX)",
+    "distributed.heartbeat_timeout_s": "seconds after a process stops sending heartbeats (it died) before the "
+                                       "others stop too (JAX's coordination service)",
 }
 
 
@@ -375,6 +379,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _check(a.overlong_penalty >= 0, "algo.overlong_penalty", a.overlong_penalty, "must be >= 0")
     _check(c.rollout.phase_tokens >= 0, "rollout.phase_tokens", c.rollout.phase_tokens, "must be >= 0 (0 = auto)")
     _check(c.rollout.min_rows >= 1, "rollout.min_rows", c.rollout.min_rows, "must be >= 1")
+    _check(c.distributed.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", c.distributed.heartbeat_timeout_s,
+           "must be >= 1")
     _check(c.reward.workers >= 0, "reward.workers", c.reward.workers, "must be >= 0")
     _check(c.reward.timeout_s > 0, "reward.timeout_s", c.reward.timeout_s, "must be > 0")
     _check(not c.reward.fn or ":" in c.reward.fn, "reward.fn", c.reward.fn, "must be 'module:function' or ''")

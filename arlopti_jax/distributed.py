@@ -112,7 +112,7 @@ def initialize(config) -> bool:
         return False
     if "cpu" in os.environ.get("JAX_PLATFORMS", "").split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**settings)
+    jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_s))
     log.info("process %d of %d: %d local devices of %d", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return jax.process_count() > 1

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from arlopti_jax import distributed as dist
+from arlopti_jax import faults
 from arlopti_jax import run_setup
 from arlopti_jax.tasks import answer_for, score_batch
 
@@ -188,20 +189,31 @@ def write_generations(folder: Path, name: str, records: list[dict]) -> Path:
     suffix = f".process{jax.process_index()}" if jax.process_count() > 1 else ""
     path = folder / f"{name}{suffix}.jsonl"
     folder.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for record in records:
-            f.write(json.dumps(record, default=str) + "\n")
+    tmp = path.with_name(path.name + ".tmp")  # a crash mid-write leaves no cut file under the name
+    with open(tmp, "w") as f:
+        faults.write(f, "".join(json.dumps(record, default=str) + "\n" for record in records), "generations")
+    tmp.replace(path)
     return path
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep the records of ``path`` up to ``last_step`` (-1: none): a run resumed from the
-    checkpoint of ``last_step`` (or restarted) writes the later steps again, once each."""
+    """Keep the records of ``path`` up to ``last_step`` (-1: none of the training's): a run resumed
+    from the checkpoint of ``last_step`` (or restarted) writes the later steps again, once each.
+    Records without a step (standalone ``eval``'s) are kept; a line that is not a JSON object (the
+    half-written last line of a killed run) is dropped."""
     if jax.process_index() != 0 or not path.exists():
         return
-    lines = path.read_text().splitlines()
-    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    if len(keep) < len(lines):
+    text = path.read_text()
+    lines = text.splitlines()
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step", last_step) <= last_step:
+            keep.append(line)
+    if len(keep) < len(lines) or text and not text.endswith("\n"):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         tmp.replace(path)
@@ -211,7 +223,7 @@ def append_jsonl(path: Path, record: dict) -> None:
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            faults.write(f, json.dumps(record) + "\n", "eval")
 
 
 def _columns(results: dict[str, float], with_reward: bool) -> list[str]:

@@ -14,6 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from arlopti_jax import faults
+
 # Dense bf16 peak FLOP/s per chip, for MFU. Keys are substrings of jax's device_kind.
 PEAK_BF16_FLOPS = {
     "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
@@ -79,7 +81,7 @@ class MetricsWriter:
         clean = {k: float(v) for k, v in values.items() if v is not None and np.isfinite(float(v))}
         for key, value in clean.items():  # TensorBoard tags take no '@' (tensorboardX would rename and log it)
             self._tb.add_scalar(key.replace("@", "_"), value, step)
-        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        faults.write(self._jsonl, json.dumps({"step": step, **clean}) + "\n", "metrics")
         self._jsonl.flush()
 
     def histogram(self, step: int, tag: str, values) -> None:

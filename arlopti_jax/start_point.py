@@ -46,6 +46,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from arlopti_jax import faults
 from arlopti_jax import sharding as shd
 from arlopti_jax.models import ModelConfig, init_params, save_pretrained
 from arlopti_jax.tasks.kk import puzzle_row, write_parquet
@@ -230,6 +231,7 @@ def ensure_start_point(folder: str | Path, seed: int = 0, sizes: dict | None = N
     (tmp / "model" / "sft_losses.json").write_text(json.dumps(losses))
     (tmp / SCALE_FILE).write_text(json.dumps({"scale": scale, "build": BUILD, "seed": seed, "sizes": s}, indent=1))
     if jax.process_index() == 0:
+        faults.point("start_point")
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
     log.info("start point ready: SFT loss %.3f -> %.3f", losses[0], losses[-1])

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from arlopti_jax import faults
+
 # name: (label, the config fields that make the method, mini-batch divisor: x optimizer steps). Every
 # run starts from GRPO's method fields (METHOD_BASE: a scale's config file may name another method).
 VARIANTS = {
@@ -110,6 +112,7 @@ def pretrained_start_point(folder: Path, scale: str) -> Path:
     arith.write_parquet(train, tmp / "data" / "train.parquet")
     arith.write_parquet(test, tmp / "data" / "test_arith.parquet")
     (tmp / SCALE_FILE).write_text(json.dumps({"scale": scale, "package": PRETRAINED[scale]["package"]}))
+    faults.point("start_point")
     tmp.rename(folder)
     return folder
 
@@ -166,9 +169,16 @@ def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, 
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The records of a run's jsonl file, in order; a half-written line (a killed run's) is skipped."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def run_names(variants: list[str], seeds: list[int]) -> list[str]:
@@ -225,7 +235,8 @@ class Sweep:
 
     def save(self) -> None:
         tmp = self.results_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.written, indent=1))
+        with open(tmp, "w") as f:
+            faults.write(f, json.dumps(self.written, indent=1), "results" if self.worker is None else "worker_records")
         tmp.replace(self.results_path)
 
     def start_point(self) -> Path:
@@ -280,6 +291,7 @@ class Sweep:
             summary = train(config)
             metrics = read_jsonl(run_dir / "metrics.jsonl")
             evals = read_jsonl(run_dir / "eval.jsonl")
+            evals = [e for e in evals if "step" in e]  # standalone `eval` records have none
             if evals and evals[0]["step"] == 0:
                 self.results["start_eval"] = self.written["start_eval"] = evals[0]
             self.results["runs"][name] = self.written["runs"][name] = {

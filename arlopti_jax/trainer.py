@@ -124,14 +124,16 @@ def train(config) -> dict:
         append_jsonl(run_dir / "eval.jsonl", {"step": step, **evaluator.settings, **results})
         return results
 
-    def save(step):
+    def save(step, eval_pending=False):  # eval_pending: the step's evaluation is left to the resumed run
         state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
         ckpt.save(step, state, {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
-                                "config": config.to_json_best_effort()})
+                                "config": config.to_json_best_effort(), "eval_pending": eval_pending})
 
     if test_sets and config.train.eval_before and start_step == 0:
         history["before"] = evaluate(0)
         log.info("before training:\n%s", format_table(history["before"], evaluator.settings))
+    elif test_sets and restored is not None and restored[2].get("eval_pending"):  # saved on a stop signal
+        history["after"] = evaluate(start_step)
 
     from tqdm.auto import tqdm
 
@@ -192,17 +194,19 @@ def train(config) -> dict:
             writer.text(step + 1, "samples", f"reward {sampled.sample_score:.2f}\n\n```\n{sampled.sample_text}\n```")
         history["reward"].append(float(sampled.scores.mean()))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
-        # 7. checkpoint (asynchronous), 8. evaluation
+        # 7. evaluation, 8. checkpoint (asynchronous): evaluating first, a checkpoint's evaluation is
+        # recorded before it exists, so a crash mid-evaluation resumes from the checkpoint before
         done = step + 1
         stop = dist.any_process(bool(preempted))  # every host saves the same step
+        due = bool(test_sets) and (done % config.train.eval_every == 0 or done == steps)
+        if due and not stop:
+            history["after"] = evaluate(done)
         if done % config.train.save_every == 0 or done == steps or stop:
-            save(done)
+            save(done, eval_pending=due and stop)
         if stop:
             log.warning("received %s: saved checkpoint %d, exiting",
                         preempted.signal_name or "a stop signal on another process", done)
             break
-        if test_sets and (done % config.train.eval_every == 0 or done == steps):
-            history["after"] = evaluate(done)
 
     stop = dist.any_process(bool(preempted))
     ckpt.close()
