@@ -21,11 +21,13 @@ import hashlib
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 
 import jax
 
 DEFAULT_DIR = "~/.cache/arlopti_jax/jax"
+_REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")  # gs://bucket/..., s3://...: not a local path
 MAX_BYTES = 4 << 30  # least recently used entries beyond this are deleted (JAX's LRU eviction, file-locked)
 
 
@@ -41,13 +43,35 @@ def _host_tag() -> str:
     return f"{platform.machine()}-{digest[:10]}"
 
 
-def enable(directory: str) -> Path | None:
+def _enable_remote(url: str) -> str:
+    """A folder on remote storage (gs://, s3://, ...), which JAX reads through etils.epath: made
+    here, so that a storage backend that is not installed (gcsfs for gs://, s3fs for s3://) or a
+    bucket that cannot be written stops the command at start-up in one line (ValueError), not at
+    its first compile."""
+    from etils import epath
+
+    folder = url.rstrip("/") + "/" + _host_tag()
+    try:
+        epath.Path(folder).mkdir(parents=True, exist_ok=True)
+    except Exception as err:  # noqa: BLE001 - ImportError for a missing backend, the backend's own errors
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"config.compile_cache_dir={url} cannot be used: {detail}") from None
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    return folder
+
+
+def enable(directory: str) -> Path | str | None:
     """Compile through the persistent cache in ``directory`` (``~`` expanded; a subfolder per
-    CPU instruction set); '' leaves JAX's own setting alone. Every program is cached, however
+    CPU instruction set; a URL such as gs://bucket/folder is a remote folder, ``_enable_remote``);
+    '' leaves JAX's own setting alone. Every program is cached, however
     fast it compiled (JAX's default skips those under a second: dozens of them per run).
     Returns the folder used, or None."""
     if not directory:
         return None
+    if _REMOTE.match(directory):
+        return _enable_remote(directory)
     path = Path(directory).expanduser() / _host_tag()
     try:
         path.mkdir(parents=True, exist_ok=True)

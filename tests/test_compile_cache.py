@@ -67,3 +67,40 @@ def test_second_process_compiles_nothing_new(tmp_path):
     assert second["requests"] == first["requests"]
     assert second["hits"] == second["requests"] and second["written"] == 0  # everything read back
     assert second["tokens"] == first["tokens"] and second["logp"] == first["logp"]
+
+
+def test_a_remote_folder_is_not_a_local_one(tmp_path, monkeypatch):
+    """``gs://bucket/...`` goes to JAX as the URL it is (not a local folder named 'gs:'); without its
+    storage backend (gcsfs) the command stops at start-up with one line."""
+    import jax
+    from etils import epath
+
+    from arlopti_jax import compile_cache
+
+    monkeypatch.chdir(tmp_path)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        made = []
+
+        class Remote:  # a storage backend that works, standing in for gcsfs
+            def __init__(self, url):
+                self.url = url
+
+            def mkdir(self, parents, exist_ok):
+                made.append(self.url)
+
+        monkeypatch.setattr(epath, "Path", Remote)
+        folder = compile_cache.enable("gs://bucket/jax_cache/")
+        assert folder.startswith("gs://bucket/jax_cache/") and made == [folder]
+        assert jax.config.jax_compilation_cache_dir == folder
+        monkeypatch.undo()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert not any(tmp_path.iterdir())  # no local "gs:" folder
+    env = {**os.environ, "ARLOPTI_STARTUP_CHECK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.train", "--config.compile_cache_dir=gs://bucket/x"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: config.compile_cache_dir=gs://bucket/x cannot be used") and "gcsfs" in lines[0]
+    assert not (tmp_path / "gs:").exists()
