@@ -69,3 +69,30 @@ def test_pretrained_sweep_scale_reads_its_config_and_refuses_another_start_point
     (folder / SCALE_FILE).write_text(json.dumps({"scale": "cpu"}))
     with pytest.raises(StartPointMismatch, match="scale 'cpu', not 'smollm2'"):
         pretrained_start_point(folder, "smollm2")
+
+
+def test_large_operand_ranges_are_sampled_without_building_every_question(monkeypatch):
+    """--max-operand 1000 has 320 million possible questions: rows are drawn, never enumerated,
+    with the same guarantees (held-out pairs, distinct questions, right answers, both operations,
+    a sum in either order, a difference larger first)."""
+    def enumerate_everything(*args, **kwargs):
+        raise AssertionError("the sampled path built the question space")
+
+    monkeypatch.setattr(arith, "split_pairs", enumerate_everything)
+    monkeypatch.setattr(arith, "_problems", enumerate_everything)
+    train, test = arith.generate(3000, 300, ops=("add", "sub"), max_operand=1000, seed=4)
+    assert len(train) == 3000 and len(test) == 300
+    pairs = {split: {frozenset(operands(r["extra_info"]["question"])[:2]) for r in rows}
+             for split, rows in (("train", train), ("test", test))}
+    assert not pairs["train"] & pairs["test"]
+    assert len({r["extra_info"]["question"] for r in train + test}) == 3300
+    seen = {op: [] for op in ("add", "sub")}
+    for row in train + test:
+        a, b, op = operands(row["extra_info"]["question"])
+        seen[op].append((a, b))
+        assert row["reward_model"]["ground_truth"] == str(a + b if op == "add" else a - b) and 2 <= min(a, b)
+    # every question equally likely: a sum has twice the orderings a difference has
+    assert all(a > b for a, b in seen["sub"]) and 0.6 < len(seen["add"]) / 3300 < 0.73
+    assert 0.4 < sum(a < b for a, b in seen["add"]) / len(seen["add"]) < 0.6  # either order
+    assert max(max(p) for p in seen["add"]) > 900  # the whole range, not its start
+    assert arith.generate(50, 5, max_operand=1000, seed=4) == arith.generate(50, 5, max_operand=1000, seed=4)

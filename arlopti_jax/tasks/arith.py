@@ -15,6 +15,12 @@ answer, else 0).
 Held out by operands: the unordered operand pairs are split once (seeded), so no test
 question's numbers, in either order, appear in any training question; the test set measures
 whether what RL taught carries to sums it never rewarded.
+
+Up to ``ENUMERATE_LIMIT`` possible questions (the default operands 2..9 have 10,240) every
+question is built and a seeded shuffle picks them (the data of the documented runs). Above it
+(``--max-operand 1000`` would be 160 million strings) questions are drawn at random, rejecting
+repeats and the other split's pairs, with the same distribution: each possible question equally
+likely; a pair's split is then a seeded hash of the pair, ``test_share`` of them on average.
 """
 
 from __future__ import annotations
@@ -67,6 +73,38 @@ def split_pairs(min_operand: int, max_operand: int, test_share: float, seed: int
     return pairs[cut:], pairs[:cut]
 
 
+ENUMERATE_LIMIT = 1_000_000
+
+
+def _question(template: str, name: str, item: str, x: int, y: int, op: str) -> tuple[str, int]:
+    return template.format(name=name, item=item, a=x, b=y), x + y if op == "add" else x - y
+
+
+def _held_out(a: int, b: int, seed: int, test_share: float) -> bool:
+    """Whether the unordered pair {a, b} is a test pair (the sampled path's split: no pair list)."""
+    return random.Random(f"{seed}:{min(a, b)}:{max(a, b)}").random() < test_share
+
+
+def _sample(min_operand: int, max_operand: int, ops: Sequence[str], test: bool, seed: int, test_share: float,
+            rng: random.Random, count: int):
+    """``count`` distinct (question, answer) pairs of one split, drawn uniformly from every
+    possible question without building them: an operation, an ordered operand pair (a sum takes
+    either order, a difference the larger first), a template, a name and an item, repeats and the
+    other split's pairs rejected. Stops short of ``count`` only if 50 draws in a row are rejected."""
+    seen, out, misses = set(), [], 0
+    while len(out) < count and misses < 50 + 20 * count:
+        op = rng.choice(list(ops))
+        x, y = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
+        template, name, item = rng.choice(QUESTIONS[op]), rng.choice(NAMES), rng.choice(ITEMS)
+        problem = _question(template, name, item, x, y, op)
+        if (op == "sub" and x <= y) or _held_out(x, y, seed, test_share) != test or problem[0] in seen:
+            misses += 1
+            continue
+        seen.add(problem[0])
+        out.append(problem)
+    return out
+
+
 def _problems(pairs, ops: Sequence[str], rng: random.Random, count: int):
     """``count`` distinct (question, answer) pairs drawn from the operand pairs (either order for
     a sum; larger first for a difference), or every one there is when fewer exist."""
@@ -77,7 +115,7 @@ def _problems(pairs, ops: Sequence[str], rng: random.Random, count: int):
             if op == "sub" and x == y:
                 continue
             for template, name, item in itertools.product(QUESTIONS[op], NAMES, ITEMS):
-                space.append((template.format(name=name, item=item, a=x, b=y), x + y if op == "add" else x - y))
+                space.append(_question(template, name, item, x, y, op))
     rng.shuffle(space)
     return space[:count]
 
@@ -90,14 +128,22 @@ def generate(train_count: int, test_count: int, *, ops: Sequence[str] = ("add",)
         raise ValueError(f"ops {list(ops)}: choose from {list(OPS)}")
     if not 0 <= min_operand < max_operand:
         raise ValueError(f"operands {min_operand}..{max_operand}: need 0 <= min < max")
-    train_pairs, test_pairs = split_pairs(min_operand, max_operand, test_share, seed)
+    values = max_operand - min_operand + 1
+    per_pair = len(ops) * max(map(len, QUESTIONS.values())) * len(NAMES) * len(ITEMS)  # per ordered pair, at most
+    enumerate_all = values * values * per_pair <= ENUMERATE_LIMIT
+    if enumerate_all:
+        train_pairs, test_pairs = split_pairs(min_operand, max_operand, test_share, seed)
     rng = random.Random(seed + 1)
     out = []
-    for split, pairs, count in (("train", train_pairs, train_count), ("test", test_pairs, test_count)):
+    for split, count in (("train", train_count), ("test", test_count)):
+        if enumerate_all:
+            problems = _problems(train_pairs if split == "train" else test_pairs, ops, rng, count)
+        else:
+            problems = _sample(min_operand, max_operand, ops, split == "test", seed, test_share, rng, count)
         out.append([{"data_source": DATA_SOURCE, "prompt": messages(q), "ability": "math",
                      "reward_model": {"ground_truth": str(answer), "style": "rule"},
                      "extra_info": {"index": i, "split": split, "question": q}}
-                    for i, (q, answer) in enumerate(_problems(pairs, ops, rng, count))])
+                    for i, (q, answer) in enumerate(problems)])
     return out[0], out[1]
 
 
