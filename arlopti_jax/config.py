@@ -131,6 +131,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.samples_every = 10  # sample completions to TensorBoard
     c.train.export_at_end = True
     c.train.diagnostics_every = 0  # gradient norm per pi_old quartile every this many steps; 0 = off
+    c.train.diagnostics_rows = 0  # rows it is measured on: 0 = the first mini-batch, -1 = the whole batch
 
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = ""  # "" = built-in router by data_source; or "module:function"
@@ -273,6 +274,9 @@ FIELD_DOCS = {
     "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
                                "this many steps, and at the first step the isolation experiment "
                                "(`isolation/{low,high}_q{1..4}`); 0 = off",
+    "train.diagnostics_rows": "the rows of the rollout batch those gradient norms are measured on: 0 = the step's "
+                              "first mini-batch (`train.mini_batch` rows), -1 = the whole batch (comparable across "
+                              "mini-batch sizes: `reproduce --matched` uses it), N = the first N rows",
     "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
                  "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
     "reward.workers": "parallel scoring processes; 0 = the built-in rewards score in the trainer's process (K&K "
@@ -370,6 +374,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
            "train.eval_ks", ks, f"must be integers k with 1 <= k <= train.eval_n = {t.eval_n}, e.g. 1,4,8")
     _check(t.eval_temperature > 0, "train.eval_temperature", t.eval_temperature, "must be > 0")
     _check(t.diagnostics_every >= 0, "train.diagnostics_every", t.diagnostics_every, "must be >= 0 (0 = off)")
+    _check(t.diagnostics_rows >= -1, "train.diagnostics_rows", t.diagnostics_rows,
+           "must be -1 (the whole batch), 0 (the first mini-batch) or a row count")
     a = c.algo
     _check(a.max_sample_rounds >= 1, "algo.max_sample_rounds", a.max_sample_rounds, "must be >= 1")
     _check(not a.filter_groups or c.rollout.n >= 2, "algo.filter_groups", a.filter_groups,

@@ -126,9 +126,11 @@ class MatchedSweep(Sweep):
         return lr if lr is not None else self.lrs[method]
 
     def run_config(self, base, variant, seed, run_dir, start_point, eval_before, dtype):
-        return run_config(base, parse_name(variant)[0], seed, run_dir, start_point, self.steps, self.eval_prompts,
-                          self.diagnostics_every, eval_before, self.scale, dtype,
-                          optimizer_steps=self.optimizer_steps, lr=self.lr_of(variant), data=self.data)
+        c = run_config(base, parse_name(variant)[0], seed, run_dir, start_point, self.steps, self.eval_prompts,
+                       self.diagnostics_every, eval_before, self.scale, dtype, optimizer_steps=self.optimizer_steps,
+                       lr=self.lr_of(variant), data=self.data)
+        c.train.diagnostics_rows = -1  # the quartile norms on the whole batch: methods' mini-batches differ
+        return c
 
     def describe(self, name, config) -> dict:
         out = super().describe(name, config)

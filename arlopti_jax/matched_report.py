@@ -159,7 +159,7 @@ def write_matched_report(results: dict, grid: dict, out: Path, command: str) -> 
     if table.count("\n") > 1:
         lines += ["## Gradient norm per pi_old quartile during training", "",
                   f"Norm of the gradient of the method's own loss restricted to each pi_old quartile's tokens, on "
-                  f"the step's first mini-batch before its update (every {results.get('diagnostics_every')} RL "
+                  f"the step's whole rollout batch before its update (every {results.get('diagnostics_every')} RL "
                   "steps; mean over those steps per run, then mean ± standard error over seeds). Does a method "
                   "change how much the lowest quartile dominates? At pi = pi_old CISPO's weights are 1 and GSPO's "
                   "ratio is 1, so their norms differ from GRPO's only through the batches their training led to "

@@ -161,8 +161,9 @@ def train(config) -> dict:
         diagnostics = {}
         if diagnose_every and step % diagnose_every == 0:  # the paper's Figure 1, before the update
             with timer("diagnostics"):
-                diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes,
-                                                               config.train.mini_batch)
+                rows = config.train.get("diagnostics_rows", 0)  # 0: the first mini-batch; -1: every row
+                rows = config.train.mini_batch if rows == 0 else len(batch["input_ids"]) if rows < 0 else rows
+                diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes, rows)
                 if step == 0:  # and once, the isolation experiment on the first batch
                     diagnostics.update(isolation_metrics(config, model_cfg, loss_cfg, mesh, tokens, logprobs_fn,
                                                          params, batch, passes))

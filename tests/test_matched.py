@@ -46,6 +46,26 @@ def test_every_method_makes_the_same_optimizer_steps_and_differs_only_in_its_met
         assert differs <= allowed, (method, differs - allowed)
 
 
+def test_matched_runs_measure_the_quartile_norms_on_the_whole_batch(tmp_path):
+    from arlopti_jax.config import ConfigError, validate
+
+    base = sweep.base_config("smollm2")
+    steps = matched.matched_optimizer_steps(base, "smollm2")
+    runs = matched.MatchedSweep(tmp_path, ["grpo", "grpo_lopti"], [0], 8, 64, None, 2, "smollm2",
+                                optimizer_steps=steps, lrs={"grpo": 1e-6, "grpo_lopti": 1e-5}, test="test",
+                                val_prompts=16)
+    configs = {m: runs.run_config(base, m, 0, tmp_path / m, tmp_path / "sp", False, "float32")
+               for m in ("grpo", "grpo_lopti", "cispo@lr3e-06")}
+    assert {c.train.mini_batch for c in configs.values()} == {8, 16}  # the methods' mini-batches differ ...
+    assert all(c.train.diagnostics_rows == -1 and c.train.diagnostics_every == 2 for c in configs.values())
+    assert [c.optim.lr for c in configs.values()] == [1e-6, 1e-5, 3e-6]
+    for c in configs.values():
+        validate(c)
+    configs["grpo"].train.diagnostics_rows = -2
+    with pytest.raises(ConfigError, match=r"config.train.diagnostics_rows=-2 is invalid: must be -1"):
+        validate(configs["grpo"])
+
+
 def test_validation_split_is_drawn_once_from_the_training_problems(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

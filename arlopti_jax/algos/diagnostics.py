@@ -10,7 +10,8 @@ L2 norm of the gradient of the loss restricted to that quartile's tokens (advant
 KL/entropy masked to them, the denominator still every valid token, as a Lopti pass), the
 paper's evidence that low-probability tokens dominate the update. It costs four backward
 passes: a diagnostic, not for every step. ``quartile_grad_norm_metrics`` is the trainer's
-``train.diagnostics_every``: on the step's first mini-batch, the full weighted advantages
+``train.diagnostics_every``: on the step's first mini-batch (or the rows ``train.diagnostics_rows``
+names: the whole batch, for methods whose mini-batches differ), the full weighted advantages
 (every Lopti pass together) and loss_mask = response_mask, quartile edges from the whole
 batch, so the numbers compare across variants (with Lopti they describe the update before
 its split into passes).
@@ -80,15 +81,16 @@ def make_quartile_grad_norms(step: TrainStep):
     return quartile_grad_norms
 
 
-def quartile_grad_norm_metrics(grad_norms_fn, params, batch: dict, passes, mini_batch: int) -> dict[str, float]:
-    """``quartile/q{1..4}_grad_norm`` of the first mini-batch (rows [0, mini_batch), the update's
-    first) with the full weighted advantages (the passes' sum) and loss_mask = response_mask,
-    quartiles by the whole batch's pi_old edges. ``batch`` holds ref_logprobs when the KL is on."""
+def quartile_grad_norm_metrics(grad_norms_fn, params, batch: dict, passes, rows: int) -> dict[str, float]:
+    """``quartile/q{1..4}_grad_norm`` of the batch's first ``rows`` rows (the trainer's default: the
+    update's first mini-batch) with the full weighted advantages (the passes' sum) and loss_mask =
+    response_mask, quartiles by the whole batch's pi_old edges. ``batch`` holds ref_logprobs when
+    the KL is on."""
     host = {k: dist.to_host(v) for k, v in batch.items() if k in BATCH_KEYS + ("ref_logprobs",) and k in batch}
     host["advantages"] = sum(dist.to_host(a) for a, _ in passes)
     host["loss_mask"] = host["response_mask"].astype(np.float32)
     edges = np.asarray(quartile_edges(host["old_logprobs"], host["response_mask"]))
-    norms = grad_norms_fn(params, {k: v[:mini_batch] for k, v in host.items()}, edges)
+    norms = grad_norms_fn(params, {k: v[:rows] for k, v in host.items()}, edges)
     return {f"quartile/q{i + 1}_grad_norm": float(norms[i]) for i in range(4)}
 
 
