@@ -141,8 +141,13 @@ def _row_blocks(mesh: Mesh) -> dict[int, set[int]]:
     return out
 
 
+def mesh_processes(mesh: Mesh) -> int:
+    """How many processes hold ``mesh``'s devices (a compile-only pod topology's hosts included)."""
+    return len({d.process_index for d in mesh.devices.flat})
+
+
 def _rows_contiguous(mesh: Mesh) -> bool:
-    per = shd.batch_divisor(mesh) / jax.process_count()
+    per = shd.batch_divisor(mesh) / mesh_processes(mesh)
     return all(len(r) == per and max(r) - min(r) + 1 == per for r in _row_blocks(mesh).values())
 
 
@@ -150,14 +155,15 @@ def process_contiguous(mesh: Mesh) -> Mesh:
     """``mesh``, or the same axes over a process-major device order, so that each process's
     devices hold one contiguous block of the batch rows. ConfigError if no order can (tensor
     parallelism across processes, or a data x fsdp size the processes do not divide)."""
-    if jax.process_count() == 1 or _rows_contiguous(mesh):
+    processes = mesh_processes(mesh)
+    if processes == 1 or _rows_contiguous(mesh):
         return mesh
     devices = sorted(mesh.devices.flat, key=lambda d: d.process_index)  # stable: keeps the local order
     reordered = Mesh(np.asarray(devices).reshape(mesh.devices.shape), mesh.axis_names,
                      axis_types=mesh.axis_types)
     if not _rows_contiguous(reordered):
-        raise ConfigError(f"config.mesh={dict(mesh.shape)} is invalid for {jax.process_count()} processes of "
-                          f"{jax.local_device_count()} devices: each process must hold whole batch rows, so "
+        raise ConfigError(f"config.mesh={dict(mesh.shape)} is invalid for {processes} processes of "
+                          f"{mesh.devices.size // processes} devices: each process must hold whole batch rows, so "
                           "data x fsdp must be a multiple of the process count and tensor must divide the "
                           "devices of one process")
     log.info("mesh devices reordered process-major so each process holds a contiguous block of the batch")
@@ -166,7 +172,7 @@ def process_contiguous(mesh: Mesh) -> Mesh:
 
 def validate(config, mesh: Mesh) -> None:
     """Multi-process constraints, as ConfigError naming the field."""
-    count = jax.process_count()
+    count = mesh_processes(mesh)
     if count == 1:
         return
     process_contiguous(mesh)

@@ -45,7 +45,6 @@ def main(argv) -> int:
     from absl import flags
 
     from arlopti_jax.config import ConfigError, validate
-    from arlopti_jax.rollout import Sampler
 
     config = flags.FLAGS.config
     try:
@@ -69,19 +68,19 @@ def main(argv) -> int:
         return 2
     startup_done(COMMAND.name)
     policy = run_setup.load_policy(config, mesh, model_path)
+    run = run_setup.assemble(config, mesh, policy.model_cfg, eos_ids=run_setup.eos_ids(policy),
+                             pad_id=run_setup.pad_id(policy), total_steps=max(1, config.train.max_steps))
     params, label = policy.params, str(model_path)
     if flags.FLAGS.checkpoint:
         from arlopti_jax.checkpoint import Checkpointer
 
         folder = Path(flags.FLAGS.checkpoint)
-        optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
-        target = run_setup.abstract_state(policy.model_cfg, optimizer, mesh)
         ckpt = Checkpointer(folder.parent)
-        state, _ = ckpt.restore(int(folder.name), target)
+        state, _ = ckpt.restore(int(folder.name), run.state)
         ckpt.close()
         params, label = state["params"], str(folder)
     sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], policy.tokenizer) for f in test_files}
-    evaluator = Evaluator(config, policy, Sampler(policy.model_cfg, mesh), sets, load_reward_fn(config.reward.fn or None))
+    evaluator = Evaluator(config, run, policy.tokenizer, sets, load_reward_fn(config.reward.fn or None))
     start = time.time()
     generations = None
     if config.train.save_generations:

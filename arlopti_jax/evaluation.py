@@ -37,7 +37,6 @@ import numpy as np
 
 from arlopti_jax import distributed as dist
 from arlopti_jax import faults
-from arlopti_jax import run_setup
 from arlopti_jax.tasks import answer_for, score_batch
 
 
@@ -107,10 +106,12 @@ class Evaluator:
     its share of every chunk of prompts (a prompt's samples stay on one process); per-response
     scores and per-prompt statistics are gathered."""
 
-    def __init__(self, config, policy: run_setup.Policy, sampler, test_sets: dict, reward_fn):
-        self.config, self.policy, self.sampler, self.sets, self.reward_fn = config, policy, sampler, test_sets, reward_fn
-        self.greedy = run_setup.sampling_config(config, policy, greedy=True)
-        self.sampled = run_setup.sampling_config(config, policy, temperature=config.train.eval_temperature)
+    def __init__(self, config, run, tokenizer, test_sets: dict, reward_fn):
+        """``run``: the ``run_setup.assemble`` of ``config`` (its sampler and sampling settings)."""
+        self.config, self.sampler, self.tokenizer, self.sets, self.reward_fn = (config, run.sampler, tokenizer,
+                                                                                test_sets, reward_fn)
+        self.greedy = run.sampling(greedy=True)
+        self.sampled = run.sampling(temperature=config.train.eval_temperature)
         self.ks = tuple(int(k) for k in config.train.eval_ks)
 
     @property
@@ -125,7 +126,7 @@ class Evaluator:
         cfg = self.config
         rows = rows[self.sampler.process_share(len(rows), sampling)]
         rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling)
-        texts, scores = score_rollout(cfg, self.reward_fn, self.policy.tokenizer, rows, rollout, n)
+        texts, scores = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
         ok = np.array([is_correct(rows[i // n]["data_source"], v) for i, v in enumerate(scores)], bool)
         answers = [None] * len(texts)
         for i, text in enumerate(texts):
@@ -137,7 +138,7 @@ class Evaluator:
             stats[p] = prompt_stats(ok[p * n:(p + 1) * n], answers[p * n:(p + 1) * n] if with_answers else None,
                                     self.ks)
         if records is not None:
-            responses = self.policy.tokenizer.batch_decode(rollout.responses(), skip_special_tokens=False)
+            responses = self.tokenizer.batch_decode(rollout.responses(), skip_special_tokens=False)
             records += [{"row": rows[i // n]["row"], "mode": mode, "sample": i % n, "response": responses[i],
                          "answer": answers[i], "score": float(scores[i]), "correct": bool(ok[i]),
                          "ground_truth": rows[i // n]["ground_truth"]} for i in range(len(texts))]

@@ -19,7 +19,7 @@ import ml_collections
 from arlopti_jax import run_setup
 from arlopti_jax.checkpoint import Checkpointer
 from arlopti_jax.cli import startup_done
-from arlopti_jax.models import ModelConfig, save_pretrained
+from arlopti_jax.models import save_pretrained
 
 
 EPILOG = """\
@@ -54,9 +54,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
 
 
 def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, out: str | Path) -> Path:
-    model_cfg = ModelConfig.from_pretrained(model_path, dtype=config.model.dtype,
-                                            param_dtype=config.model.param_dtype, remat=config.model.remat,
-                                            unroll_layers=config.model.get("unroll_layers", False))
+    model_cfg = run_setup.model_config(config, model_path)
     mesh = run_setup.make_mesh(config)
     optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
     ckpt = Checkpointer(folder.parent)

@@ -1,6 +1,12 @@
-"""From a validated config to the objects a run needs: policy, data, optimizer, state.
+"""From a validated config to everything a run is: ``assemble(config, mesh, model_cfg, ...)``.
 
-Shared by ``train``, ``eval`` and ``export`` so the three read a config the same way.
+One assembly (DESIGN.md): ``assemble`` turns a config, a mesh and the model's shape into the
+run's optimizer, sampler, sampling settings, packed log-prob passes, train step and the
+abstract checkpointed state (shapes, dtypes and shardings; nothing allocated). ``train``,
+``eval``, ``export`` and the compile-only check ``aot`` all build from it, so the programs
+compiled for a TPU pod or an H100 by ``python -m arlopti_jax.aot`` are the ones ``train`` runs.
+Weights and data are loaded beside it (``load_policy``, ``prompt_dataset``): ``aot`` needs
+neither.
 """
 
 from __future__ import annotations
@@ -9,16 +15,18 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 import jax
 import ml_collections
+import optax
 
 from arlopti_jax import algos
 from arlopti_jax import distributed as dist
 from arlopti_jax import sharding as shd
 from arlopti_jax.checkpoint import Checkpointer
-from arlopti_jax.models import ModelConfig, abstract_params, load_pretrained, param_shardings
-from arlopti_jax.rollout import SamplingConfig
+from arlopti_jax.models import ModelConfig, abstract_params, load_params, param_shardings
+from arlopti_jax.rollout import Sampler, SamplingConfig
 from arlopti_jax.tasks.data import BatchIterator, PromptDataset, resolve_data_files
 
 log = logging.getLogger(__name__)
@@ -67,15 +75,19 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True) ->
     return Path(model), files("train_files", train) if need_train else [], files("test_files", test)
 
 
+def model_config(config, model_path: Path) -> ModelConfig:
+    """The model's shape from its folder's config.json, with the config's numerics."""
+    m = config.model
+    return ModelConfig.from_pretrained(model_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                                       unroll_layers=m.unroll_layers, attention=m.get("attention", "auto"))
+
+
 def load_policy(config, mesh, model_path: Path) -> Policy:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    model_cfg, params = load_pretrained(model_path, mesh=mesh, dtype=config.model.dtype,
-                                        param_dtype=config.model.param_dtype, remat=config.model.remat,
-                                        unroll_layers=config.model.unroll_layers,
-                                        attention=config.model.get("attention", "auto"))
-    return Policy(model_cfg, params, tokenizer, model_path)
+    model_cfg = model_config(config, model_path)
+    return Policy(model_cfg, load_params(model_path, model_cfg, mesh), tokenizer, model_path)
 
 
 def _as_ids(value) -> tuple:
@@ -99,20 +111,27 @@ def eos_ids(policy: Policy) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def sampling_config(config, policy: Policy, *, greedy: bool = False, temperature: float | None = None) -> SamplingConfig:
+def pad_id(policy: Policy) -> int:
+    """The id that pads prompts and follows a finished response: the tokenizer's pad token, else
+    the first EOS id."""
+    pad = policy.tokenizer.pad_token_id
+    return pad if pad is not None else eos_ids(policy)[0]
+
+
+def sampling_config(config, eos: tuple[int, ...], pad: int, *, greedy: bool = False,
+                    temperature: float | None = None) -> SamplingConfig:
     """The rollout's sampling settings (``temperature`` replaces rollout.temperature, for evaluation)."""
     r = config.rollout
-    pad = policy.tokenizer.pad_token_id
     return SamplingConfig(max_response_len=r.max_response_length,
                           temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
-                          top_k=r.top_k, greedy=greedy, eos_ids=eos_ids(policy),
-                          pad_id=pad if pad is not None else eos_ids(policy)[0], prompt_bucket=r.prompt_bucket,
+                          top_k=r.top_k, greedy=greedy, eos_ids=eos, pad_id=pad, prompt_bucket=r.prompt_bucket,
                           length_aware=r.length_aware, phase_tokens=r.phase_tokens, min_rows=r.min_rows)
 
 
-def make_mesh(config):
-    """The config's mesh; with several processes, each holding a contiguous block of batch rows."""
-    return dist.process_contiguous(shd.make_mesh(dict(config.mesh)))
+def make_mesh(config, devices=None):
+    """The config's mesh over ``devices`` (default: every device of the job; ``aot`` passes a
+    compile-only topology's); with several processes, each holds a contiguous block of batch rows."""
+    return dist.process_contiguous(shd.make_mesh(dict(config.mesh), devices=devices))
 
 
 def eval_set_name(path: Path) -> str:
@@ -165,12 +184,17 @@ def algo_configs(config):
     return adv, weights, lopti, loss
 
 
-def make_optimizer(config, total_rl_steps: int):
+def optim_config(config, total_rl_steps: int) -> algos.OptimConfig:
+    """The config's AdamW settings, its schedule counted in optimizer steps over ``total_rl_steps``."""
     o = config.optim
-    return algos.make_optimizer(algos.OptimConfig(
-        lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, eps=o.eps, grad_clip=o.grad_clip,
-        schedule=o.schedule, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
-        total_steps=total_rl_steps * optimizer_steps_per_rl_step(config)))
+    return algos.OptimConfig(lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, eps=o.eps,
+                             grad_clip=o.grad_clip, schedule=o.schedule, warmup_steps=o.warmup_steps,
+                             min_lr_ratio=o.min_lr_ratio,
+                             total_steps=total_rl_steps * optimizer_steps_per_rl_step(config))
+
+
+def make_optimizer(config, total_rl_steps: int):
+    return algos.make_optimizer(optim_config(config, total_rl_steps))
 
 
 def abstract_state(model_cfg: ModelConfig, optimizer, mesh):
@@ -183,6 +207,56 @@ def abstract_state(model_cfg: ModelConfig, optimizer, mesh):
                                  jax.eval_shape(optimizer.init, params), o_sh)
     key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32, sharding=shd.replicated(mesh))
     return {"params": params, "opt_state": opt, "rng": key}
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a run is but its weights and data (``assemble``)."""
+
+    config: ml_collections.ConfigDict
+    mesh: jax.sharding.Mesh
+    model_cfg: ModelConfig
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    total_steps: int  # RL steps
+    optimizer: optax.GradientTransformation
+    adv_cfg: algos.AdvantageConfig
+    weight_cfg: algos.TokenWeightConfig
+    lopti_cfg: algos.LoptiConfig
+    loss_cfg: algos.LossConfig
+    tokens_per_device: int  # of a packed micro-batch
+    sampler: Sampler
+    train_step: algos.TrainStep
+    logprobs: Callable  # ``make_compute_logprobs``: reference and recomputed pi_old passes
+    state: dict  # the checkpointed state's abstract arrays: params, opt_state, rng
+
+    def sampling(self, *, greedy: bool = False, temperature: float | None = None) -> SamplingConfig:
+        """The rollout's sampling settings; evaluation's with ``greedy`` or its ``temperature``."""
+        return sampling_config(self.config, self.eos_ids, self.pad_id, greedy=greedy, temperature=temperature)
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether the run holds the frozen initial policy (the KL term)."""
+        return self.loss_cfg.use_kl
+
+
+def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], pad_id: int,
+             total_steps: int) -> Run:
+    """The run's objects and programs for ``config`` on ``mesh`` (nothing is compiled or allocated
+    here: the programs compile on first use, or ahead of time through ``aot``)."""
+    adv, weights, lopti, loss = algo_configs(config)
+    optimizer = make_optimizer(config, total_steps)
+    tokens = tokens_per_micro_batch(config, mesh)
+    chunk = config.model.logprob_chunk
+    return Run(config=config, mesh=mesh, model_cfg=model_cfg, eos_ids=tuple(eos_ids), pad_id=int(pad_id),
+               total_steps=total_steps, optimizer=optimizer, adv_cfg=adv, weight_cfg=weights, lopti_cfg=lopti,
+               loss_cfg=loss, tokens_per_device=tokens, sampler=Sampler(model_cfg, mesh),
+               train_step=algos.make_train_step(model_cfg, loss, optimizer, mesh, tokens_per_device=tokens,
+                                                chunk_size=chunk, shared_prefix=config.train.shared_prefix),
+               logprobs=algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
+                                                    tokens_per_device=tokens, chunk_size=chunk,
+                                                    shared_prefix=config.train.shared_prefix),
+               state=abstract_state(model_cfg, optimizer, mesh))
 
 
 def checkpointer(config) -> Checkpointer:

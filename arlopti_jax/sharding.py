@@ -13,6 +13,7 @@ parallel layout is a change of ``mesh_shape`` or of the rules, never of model co
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from typing import Any, Mapping, Sequence
 
@@ -73,16 +74,31 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     sizes = resolve_mesh_shape(shape, len(devices))
     dims = tuple(sizes[a] for a in MESH_AXES)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagation, not explicit sharding types
-    if devices == list(jax.devices()):
+    if devices == list(jax.devices()) or devices[0].platform != "cpu":  # topology-aware order (TPU rings)
         return jax.make_mesh(dims, MESH_AXES, axis_types=auto, devices=devices)
     return Mesh(np.asarray(devices).reshape(dims), MESH_AXES, axis_types=auto)
 
 
+_PLATFORM = contextvars.ContextVar("arlopti_platform", default=None)
+
+
 @contextlib.contextmanager
 def activate(mesh: Mesh, rules=DEFAULT_RULES):
-    """Mesh and logical rules for tracing: activation constraints take effect inside."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        yield
+    """Mesh and logical rules for tracing: activation constraints take effect inside, and
+    ``platform()`` is the mesh's (a compile-only TPU or GPU mesh on a CPU host included)."""
+    token = _PLATFORM.set(mesh.devices.flat[0].platform)
+    try:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+def platform() -> str:
+    """The platform programs are traced for ("cpu", "gpu", "tpu"): the active mesh's devices'
+    under ``activate``, else JAX's default backend. Code that picks a kernel or layout per
+    backend asks this, so ``aot`` compiles for an H100 or a TPU what would run there."""
+    return _PLATFORM.get() or jax.default_backend()
 
 
 def logical_to_shardings(logical_specs, mesh: Mesh, rules=DEFAULT_RULES, shapes=None):

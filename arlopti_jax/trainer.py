@@ -11,6 +11,7 @@ continues from the newest good checkpoint with the same data order and RNG.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -25,7 +26,6 @@ from arlopti_jax.collect import Collector
 from arlopti_jax.evaluation import Evaluator, append_jsonl, compare_table, format_table, is_correct, trim_jsonl
 from arlopti_jax.metrics import MetricsWriter, Timer, mfu
 from arlopti_jax.models import save_pretrained
-from arlopti_jax.rollout import Sampler
 from arlopti_jax.tasks import load_reward_fn
 from arlopti_jax.tasks.kk import guess_accuracy
 
@@ -79,16 +79,17 @@ def train(config) -> dict:
     iterator = run_setup.train_iterator(config, train_data)
     test_sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], tokenizer) for f in test_files}
     steps = run_setup.total_steps(config, iterator)
+    run = run_setup.assemble(config, mesh, model_cfg, eos_ids=run_setup.eos_ids(policy),
+                             pad_id=run_setup.pad_id(policy), total_steps=steps)
+    train_step = run.train_step
 
-    adv_cfg, weight_cfg, lopti_cfg, loss_cfg = run_setup.algo_configs(config)
-    optimizer = run_setup.make_optimizer(config, steps)
     ckpt = run_setup.checkpointer(config)
-    restored = run_setup.restore_from(config, ckpt, run_setup.abstract_state(model_cfg, optimizer, mesh))
-    ref_params = policy.params if loss_cfg.use_kl else None  # frozen: never donated
+    restored = run_setup.restore_from(config, ckpt, run.state)
+    ref_params = policy.params if run.use_reference else None  # frozen: never donated
     if restored is None:
         start_step, key = 0, jax.random.key(config.seed)
         params = jax.tree_util.tree_map(lambda x: x.copy(), policy.params) if ref_params is not None else policy.params
-        opt_state = algos.init_opt_state(optimizer, model_cfg, params, mesh)
+        opt_state = algos.init_opt_state(run.optimizer, model_cfg, params, mesh)
     else:
         start_step, state, meta = restored
         params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
@@ -98,22 +99,16 @@ def train(config) -> dict:
     for name in ("metrics.jsonl", "eval.jsonl"):  # the steps after the checkpoint are written again
         trim_jsonl(run_dir / name, start_step if restored is not None else -1)
 
-    sampler = Sampler(model_cfg, mesh)
-    tokens = run_setup.tokens_per_micro_batch(config, mesh)  # per device: the update packs sequences
-    chunk = config.model.logprob_chunk
-    train_step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens, chunk_size=chunk)
-    logprobs_fn = algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
-                                              tokens_per_device=tokens, chunk_size=chunk)
     diagnose_every = config.train.diagnostics_every
     grad_norms_fn = algos.make_quartile_grad_norms(train_step) if diagnose_every else None
     reward_fn = load_reward_fn(config.reward.fn or None)
-    evaluator = Evaluator(config, policy, sampler, test_sets, reward_fn)
+    evaluator = Evaluator(config, run, tokenizer, test_sets, reward_fn)
     writer = MetricsWriter(run_dir)
     writer.text(0, "config", f"```\n{config.to_json_best_effort(indent=2)}\n```")
     preempted = PreemptionFlag()
     timer = Timer()
     n = config.rollout.n
-    collect = Collector(config, sampler, run_setup.sampling_config(config, policy), reward_fn, tokenizer, mesh, timer)
+    collect = Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, timer)
     history = {"before": None, "after": None, "reward": [], "eval_settings": evaluator.settings}
 
     def evaluate(step):
@@ -147,17 +142,17 @@ def train(config) -> dict:
         batch = {k: dist.to_host(v) for k, v in sampled.batch.items()}
         rewards, group_ids = dist.to_host(sampled.rewards), dist.to_host(sampled.group_ids)
         entropies = None  # pi_old's, for the high-entropy selection (algo.entropy_top_fraction)
-        if weight_cfg.entropy_top_fraction:
-            old, entropies = logprobs_fn(params, batch, with_entropy=True)
+        if run.weight_cfg.entropy_top_fraction:
+            old, entropies = run.logprobs(params, batch, with_entropy=True)
             if config.rollout.recompute_old_logprobs:
                 batch["old_logprobs"] = old
         elif config.rollout.recompute_old_logprobs:
-            batch["old_logprobs"] = logprobs_fn(params, batch)
+            batch["old_logprobs"] = run.logprobs(params, batch)
         # 3-4. advantages, token weights (AR / TR, the entropy selection) and the Lopti split, as update passes
-        passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, rewards, group_ids,
+        passes = algos.prepare_updates(run.adv_cfg, run.weight_cfg, run.lopti_cfg, rewards, group_ids,
                                        batch["response_mask"], batch["old_logprobs"], entropies)
-        if loss_cfg.use_kl:
-            batch["ref_logprobs"] = logprobs_fn(ref_params, batch)
+        if run.use_reference:
+            batch["ref_logprobs"] = run.logprobs(ref_params, batch)
         diagnostics = {}
         if diagnose_every and step % diagnose_every == 0:  # the paper's Figure 1, before the update
             with timer("diagnostics"):
@@ -165,8 +160,7 @@ def train(config) -> dict:
                 rows = config.train.mini_batch if rows == 0 else len(batch["input_ids"]) if rows < 0 else rows
                 diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes, rows)
                 if step == 0:  # and once, the isolation experiment on the first batch
-                    diagnostics.update(isolation_metrics(config, model_cfg, loss_cfg, mesh, tokens, logprobs_fn,
-                                                         params, batch, passes))
+                    diagnostics.update(isolation_metrics(run, params, batch, passes))
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
         mark = len(train_step.processed)
         with timer("update"):
@@ -176,16 +170,18 @@ def train(config) -> dict:
         seconds = timer.pop()
         generated = int(sampled.lengths.sum())
         trained = int(batch["attention_mask"].sum()) * len(passes)
+        packed = train_step.processed_since(mark)  # what the passes forwarded: a shared prompt once per row
         metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.lengths, sampled.truncated, n),
                    **sampled.stats, **diagnostics,
-                   **update_metrics(pass_metrics, lopti_cfg.enabled),
+                   **update_metrics(pass_metrics, run.lopti_cfg.enabled),
                    **quartile_metrics(batch, sum(a for a, _ in passes)),
                    **{f"time/{k}": v for k, v in seconds.items()},
                    "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
                    "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
-                   "throughput/update_padding": train_step.processed_since(mark).padding,
+                   "throughput/update_padding": packed.padding,
+                   "update/forwarded_tokens": float(packed.real_tokens),
                    "train/epoch": iterator.epoch}
-        util = mfu(model_cfg.num_params(), trained, seconds["update"])
+        util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
         if util is not None:
             metrics["throughput/train_mfu"] = util
         writer.scalars(step + 1, metrics)
@@ -221,19 +217,20 @@ def train(config) -> dict:
                      chance=chance_levels(test_sets))
 
 
-def isolation_metrics(config, model_cfg, loss_cfg, mesh, tokens: int, logprobs_fn, params, batch, passes) -> dict:
+def isolation_metrics(run: run_setup.Run, params, batch, passes) -> dict:
     """``isolation/{low,high}_q{1..4}``: the change of each pi_old quartile's mean probability
     after one optimizer step (fresh AdamW state at the configured peak learning rate: a
     schedule's first step may be 0) on only the lowest (low) or only the highest (high)
     quartile's tokens of ``batch``, with the step's full weighted advantages."""
-    o = config.optim
-    optimizer = algos.make_optimizer(algos.OptimConfig(lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
-                                                       eps=o.eps, grad_clip=o.grad_clip, schedule="constant"))
-    step = algos.make_train_step(model_cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens,
-                                 chunk_size=config.model.logprob_chunk)
+    peak = dataclasses.replace(run_setup.optim_config(run.config, run.total_steps), schedule="constant",
+                               warmup_steps=0)
+    optimizer = algos.make_optimizer(peak)
+    step = algos.make_train_step(run.model_cfg, run.loss_cfg, optimizer, run.mesh,
+                                 tokens_per_device=run.tokens_per_device, chunk_size=run.config.model.logprob_chunk,
+                                 shared_prefix=run.train_step.shared_prefix)
     full = {**batch, "advantages": sum(dist.to_host(a) for a, _ in passes)}
-    change = algos.isolation_experiment(step, logprobs_fn, lambda p: algos.init_opt_state(optimizer, model_cfg, p, mesh),
-                                        params, full)
+    change = algos.isolation_experiment(
+        step, run.logprobs, lambda p: algos.init_opt_state(optimizer, run.model_cfg, p, run.mesh), params, full)
     return {f"isolation/{case}_q{q + 1}": float(change[i, q]) for i, case in enumerate(("low", "high"))
             for q in range(4)}
 

@@ -46,7 +46,6 @@ def forced_accuracy(folder: str | Path, rows: int = 200) -> dict[int, tuple[floa
     from arlopti_jax import run_setup
     from arlopti_jax.default_config import get_config
     from arlopti_jax.evaluation import Evaluator
-    from arlopti_jax.rollout import Sampler
     from arlopti_jax.tasks import load_reward_fn
 
     folder = Path(folder)
@@ -62,7 +61,9 @@ def forced_accuracy(folder: str | Path, rows: int = 200) -> dict[int, tuple[floa
         mesh = run_setup.make_mesh(config)
         policy = run_setup.load_policy(config, mesh, folder / "model")
         data = {n: run_setup.prompt_dataset(config, [f], policy.tokenizer) for n, f in files.items()}
-        evaluator = Evaluator(config, policy, Sampler(policy.model_cfg, mesh), data, load_reward_fn(None))
+        run = run_setup.assemble(config, mesh, policy.model_cfg, eos_ids=run_setup.eos_ids(policy),
+                                 pad_id=run_setup.pad_id(policy), total_steps=1)
+        evaluator = Evaluator(config, run, policy.tokenizer, data, load_reward_fn(None))
         results = evaluator.run(policy.params, jax.random.key(0))
     return {n: (results[f"eval/{n}/greedy_acc"], len(sets[n])) for n in sets}
 

@@ -38,7 +38,6 @@ def measure(config, responses: int) -> dict:
     from arlopti_jax import algos, run_setup
     from arlopti_jax.collect import Collector
     from arlopti_jax.metrics import Timer
-    from arlopti_jax.rollout import Sampler
     from arlopti_jax.tasks import load_reward_fn
 
     config.train.batch_prompts = responses // config.rollout.n
@@ -47,23 +46,23 @@ def measure(config, responses: int) -> dict:
     policy = run_setup.load_policy(config, mesh, model_path)
     cfg, params = policy.model_cfg, policy.params
     iterator = run_setup.train_iterator(config, run_setup.prompt_dataset(config, train_files, policy.tokenizer))
-    collect = Collector(config, Sampler(cfg, mesh), run_setup.sampling_config(config, policy),
-                        load_reward_fn(config.reward.fn or None), policy.tokenizer, mesh, Timer())
+    run = run_setup.assemble(config, mesh, cfg, eos_ids=run_setup.eos_ids(policy), pad_id=run_setup.pad_id(policy),
+                             total_steps=1)
+    collect = Collector(config, run.sampler, run.sampling(), load_reward_fn(config.reward.fn or None),
+                        policy.tokenizer, mesh, Timer())
     sampled = collect(params, iterator, jax.random.key(config.seed))
     batch = {k: np.asarray(v) for k, v in sampled.batch.items()}
-    adv_cfg, weight_cfg, lopti_cfg, loss_cfg = run_setup.algo_configs(config)
-    passes = algos.prepare_updates(adv_cfg, weight_cfg, lopti_cfg, np.asarray(sampled.rewards),
+    passes = algos.prepare_updates(run.adv_cfg, run.weight_cfg, run.lopti_cfg, np.asarray(sampled.rewards),
                                    np.asarray(sampled.group_ids), batch["response_mask"], batch["old_logprobs"])
     advantages = sum(np.asarray(a) for a, _ in passes)
-    tokens = run_setup.tokens_per_micro_batch(config, mesh)
-    logprobs_fn = algos.make_compute_logprobs(cfg, mesh, temperature=config.rollout.temperature,
-                                              tokens_per_device=tokens, chunk_size=config.model.logprob_chunk)
-    if loss_cfg.use_kl:
+    logprobs_fn = run.logprobs
+    if run.use_reference:
         batch["ref_logprobs"] = logprobs_fn(params, batch)
     o = config.optim
     adam = algos.make_optimizer(algos.OptimConfig(lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                                                   eps=o.eps, grad_clip=o.grad_clip, schedule="constant"))
-    step = lambda optimizer: algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens,
+    step = lambda optimizer: algos.make_train_step(cfg, run.loss_cfg, optimizer, mesh,
+                                                   tokens_per_device=run.tokens_per_device,
                                                    chunk_size=config.model.logprob_chunk)
     adam_step = step(adam)
     full = {**batch, "advantages": advantages, "loss_mask": batch["response_mask"].astype(np.float32)}

@@ -220,3 +220,23 @@ def test_two_processes_equal_one(tmp_path):
     np.testing.assert_array_equal(np.concatenate([p["response_ids"] for p in parts]), want.response_ids)
     np.testing.assert_array_equal(np.concatenate([p["lengths"] for p in parts]), want.lengths)
     np.testing.assert_allclose(np.concatenate([p["logprobs"] for p in parts]), want.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 4}], ids=["1device", "data2xfsdp4"])
+def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
+    """On a GPU the sampler's weights and KV cache are a buffer per layer and every layer runs
+    straight-line (``programs.per_layer_cache``). Forced here on the CPU, it draws the tokens and
+    log-probs of the layer loop over stacked arrays, through every phase and compaction."""
+    from arlopti_jax.rollout import programs
+
+    kw = dict(temperature=0.8, top_k=20)
+    want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
+    cfg, params = load_pretrained(folder, mesh=mesh) if layout else policy[:2]
+    monkeypatch.setattr(programs, "per_layer_cache", lambda platform=None: True)
+    sampler = Sampler(cfg, mesh)
+    layers = sampler.sampling_params(params)["layers"]
+    assert isinstance(layers, tuple) and len(layers) == cfg.num_layers
+    got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    assert len(got.decode_loops) > 3  # compacted and grew
+    _assert_same(got, want)

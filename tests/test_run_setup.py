@@ -35,14 +35,15 @@ def test_eos_ids_from_generation_config_stop_the_sampler(tmp_path):
     key = jax.random.key(0)
 
     # without stop tokens, the two tokens this random model draws most often
-    free = sampler.generate(params, prompts, 1, key, dataclasses.replace(run_setup.sampling_config(config, policy), eos_ids=()))
+    sampling_of = lambda: run_setup.sampling_config(config, run_setup.eos_ids(policy), run_setup.pad_id(policy))
+    free = sampler.generate(params, prompts, 1, key, dataclasses.replace(sampling_of(), eos_ids=()))
     counts = np.bincount(free.response_ids.ravel(), minlength=model_cfg.vocab_size)
     counts[2] = 0
     a, b = (int(i) for i in np.argsort(counts)[-2:])
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [a, b], "pad_token_id": 0}))
     assert run_setup.eos_ids(policy) == tuple(sorted({2, a, b}))
 
-    sampling = run_setup.sampling_config(config, policy)
+    sampling = sampling_of()
     got = sampler.generate(params, prompts, 1, key, sampling)
     stopped_at = set()
     for row in range(len(prompts)):
@@ -69,7 +70,9 @@ def test_sampled_evaluation_uses_eval_temperature(start_point, tmp_path):
         mesh = run_setup.make_mesh(config)
         policy = run_setup.load_policy(config, mesh, start_point / "model")
         sets = {"t": run_setup.prompt_dataset(config, [test_file], policy.tokenizer)}
-        evaluator = Evaluator(config, policy, Sampler(policy.model_cfg, mesh), sets, lambda *a: 0.0)
+        run = run_setup.assemble(config, mesh, policy.model_cfg, eos_ids=run_setup.eos_ids(policy),
+                                 pad_id=run_setup.pad_id(policy), total_steps=1)
+        evaluator = Evaluator(config, run, policy.tokenizer, sets, lambda *a: 0.0)
         assert evaluator.sampled.temperature == eval_temperature and evaluator.greedy.greedy
         assert evaluator.settings["eval_temperature"] == eval_temperature
         return evaluator, policy

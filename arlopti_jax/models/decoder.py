@@ -33,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from arlopti_jax import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -94,7 +95,7 @@ def project(spec: str, x: Array, w: Array) -> Array:
     gradient's elementwise producer (e.g. SwiGLU's derivative) into the transposing copy its
     weight-gradient dot asks for, and that fused copy ran ~10x slower than a plain one (a
     third of a small model's backward pass). Other backends use the einsum as it is."""
-    if jax.default_backend() == "cpu":
+    if shd.platform() == "cpu":
         return _barrier_einsum(spec)(x, w)
     return jnp.einsum(spec, x, w)
 
@@ -107,7 +108,7 @@ def attention(q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str
     cuDNN fused kernel, which never holds the [T, S] scores (on an H100, 1.5B's heads over 4 packed
     rows of 4,096 tokens: forward + backward 5.4 ms against 23 ms, docs/benchmarks.md). "xla": its
     XLA lowering, except on CPU: there ``_causal_blocks`` computes the same math."""
-    backend = jax.default_backend()
+    backend = shd.platform()
     if impl == "auto":
         impl = "cudnn" if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
     if impl == "cudnn":
@@ -147,7 +148,8 @@ CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "head_dim")
 def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, cache: dict, layer: Array,
                      cache_index) -> tuple[Array, dict]:
     """Write this call's keys and values k, v [B, T, K, H] into layer ``layer`` of ``cache``
-    ({"k", "v"}: [L, B, K, S, H]) at slot ``cache_index``, then attend q [B, T, N, H] over
+    ({"k", "v"}: [L, B, K, S, H], or L buffers [B, K, S, H] each with a Python int ``layer``)
+    at slot ``cache_index``, then attend q [B, T, N, H] over
     the layer's S slots under the boolean ``mask`` [B, 1, T, S]. Returns ([B, T, N, H], cache).
 
     Both products batch over (row, kv head) and read the cache in its own layout, each kv
@@ -155,16 +157,28 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
     and softmax are float32, as in ``jax.nn.dot_product_attention``.
     """
     zero = jnp.zeros((), jnp.int32)
-    start = (layer, zero, zero, jnp.asarray(cache_index, jnp.int32), zero)
-    cache = {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(
-        cache[name], new.transpose(0, 2, 1, 3)[None].astype(cache[name].dtype), start), CACHE_AXES)
-        for name, new in (("k", k), ("v", v))}
-    keys = jax.lax.dynamic_index_in_dim(cache["k"], layer, 0, keepdims=False).astype(q.dtype)
-    values = jax.lax.dynamic_index_in_dim(cache["v"], layer, 0, keepdims=False).astype(q.dtype)
+    index = jnp.asarray(cache_index, jnp.int32)
+    if isinstance(cache["k"], (list, tuple)):  # a buffer per layer (the GPU sampler's): ``layer`` is an int
+        def put(buffers, new):
+            out = list(buffers)
+            out[layer] = nn.with_logical_constraint(jax.lax.dynamic_update_slice(
+                out[layer], new.transpose(0, 2, 1, 3).astype(out[layer].dtype), (zero, zero, index, zero)),
+                CACHE_AXES[1:])
+            return tuple(out)
+
+        cache = {"k": put(cache["k"], k), "v": put(cache["v"], v)}
+        keys, values = cache["k"][layer].astype(q.dtype), cache["v"][layer].astype(q.dtype)
+    else:
+        start = (layer, zero, zero, index, zero)
+        cache = {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(
+            cache[name], new.transpose(0, 2, 1, 3)[None].astype(cache[name].dtype), start), CACHE_AXES)
+            for name, new in (("k", k), ("v", v))}
+        keys = jax.lax.dynamic_index_in_dim(cache["k"], layer, 0, keepdims=False).astype(q.dtype)
+        values = jax.lax.dynamic_index_in_dim(cache["v"], layer, 0, keepdims=False).astype(q.dtype)
     b, t, n, h = q.shape
     kv = keys.shape[1]
     qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    if jax.default_backend() == "cpu":
+    if shd.platform() == "cpu":
         # keys as the left operand, [S, H] x [H, G*T]: XLA:CPU's matmul repacks a transposed
         # right operand, and [G*T, H] x [S, H]^T read the keys at a third of the speed of the
         # values product (a decode step over 1088 slots: 15 ms of 26). The barrier keeps XLA

@@ -21,8 +21,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from arlopti_jax import sharding as shd
 from arlopti_jax.models.config import ModelConfig
-from arlopti_jax.models.decoder import CACHE_AXES, Decoder, position_ids
+from arlopti_jax.models.decoder import CACHE_AXES, Block, Decoder, RMSNorm, attention_mask, position_ids
 from arlopti_jax.models.policy import unembed_matrix
 from arlopti_jax.rollout.sampling import sample_tokens
 
@@ -52,11 +53,36 @@ def row_fields(state: DecodeState) -> dict:
     return {name: getattr(state, name) for name in OUTPUTS + ("rows",)}
 
 
+def _pad_axis(x: Array, axis: int, extra: int) -> Array:
+    """``x`` with ``extra`` zeros appended along ``axis``."""
+    return jnp.pad(x, [(0, extra if i == axis else 0) for i in range(x.ndim)])
+
+
 def _rows(x: Array) -> Array:
     return nn.with_logical_constraint(x, ("act_batch",) + (None,) * (x.ndim - 1))
 
 
+def per_layer_cache(platform: str | None = None) -> bool:
+    """Whether the cache is one buffer per layer (on a GPU: the decode step's layers run
+    straight-line, and each attends to a whole buffer of its own, which XLA:GPU reads in place; a
+    slice of the stacked [L, ...] cache is copied out at every layer of every step) rather than
+    one stacked buffer the layer loop indexes (elsewhere). ``platform``: the mesh's (default: the
+    one programs are traced for, ``sharding.platform``)."""
+    return (platform or shd.platform()) == "gpu"
+
+
+def _cache_map(cache: dict, fn, axis: int) -> dict:
+    """``fn(buffer, axis)`` on every cache buffer; ``axis`` counts the stacked layout's axes
+    ([L, N, K, S, H]), one less in a per-layer buffer ([N, K, S, H])."""
+    if isinstance(cache["k"], (list, tuple)):
+        return {name: tuple(fn(c, axis - 1) for c in buffers) for name, buffers in cache.items()}
+    return {name: fn(c, axis) for name, c in cache.items()}
+
+
 def _constrain_cache(cache: dict) -> dict:
+    if isinstance(cache["k"], (list, tuple)):
+        return {name: tuple(nn.with_logical_constraint(c, CACHE_AXES[1:]) for c in buffers)
+                for name, buffers in cache.items()}
     return {name: nn.with_logical_constraint(c, CACHE_AXES) for name, c in cache.items()}
 
 
@@ -77,18 +103,34 @@ def _is_eos(tokens: Array, eos_ids: Array) -> Array:
 
 
 def _forward(cfg: ModelConfig, params, tokens: Array, positions: Array, kv_mask: Array, cache: dict,
-             cache_index) -> tuple[Array, dict]:
-    """Final-norm hidden states [B, T, D] and the updated cache, the layers as a loop."""
-    decoder = Decoder(dataclasses.replace(cfg, unroll_layers=False))
-    hidden, cache = decoder.apply({"params": params}, tokens, positions, kv_mask, cache=cache, cache_index=cache_index)
-    return hidden, _constrain_cache(cache)
+             cache_index, unroll: bool = False) -> tuple[Array, dict]:
+    """Final-norm hidden states [B, T, D] and the updated cache, the layers as a loop (``unroll``:
+    straight-line layers, each reading its own weights and cache slice at a constant index). A
+    sampling pass keeps no activations for a backward pass, so it never rematerialises."""
+    cfg = dataclasses.replace(cfg, unroll_layers=False, remat=False)
+    if not unroll and not isinstance(cache["k"], (list, tuple)) and not isinstance(params["layers"], tuple):
+        hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, kv_mask, cache=cache,
+                                           cache_index=cache_index)
+        return hidden, _constrain_cache(cache)
+    x = jnp.take(params["embedding"], tokens, axis=0).astype(cfg.compute_dtype)
+    mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
+    for i in range(cfg.num_layers):
+        layers = params["layers"]  # a buffer per layer (``Sampler.sampling_params``), or stacked
+        layer = layers[i] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[i], layers)
+        (x, cache), _ = Block(cfg).apply({"params": layer}, (x, cache), i, positions, mask, cache_index)
+    norm = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype)
+    return norm.apply({"params": params["final_norm"]}, x), _constrain_cache(cache)
 
 
 def prefill(cfg: ModelConfig, params, prompt_ids: Array, prompt_mask: Array):
     """Each prompt once through the decoder: its cache of P slots and its next-token logits."""
     b, p = prompt_ids.shape
-    shape = (cfg.num_layers, b, cfg.num_kv_heads, p, cfg.head_dim)
-    empty = _constrain_cache({"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)})
+    layer = (b, cfg.num_kv_heads, p, cfg.head_dim)
+    if per_layer_cache():
+        zeros = lambda: tuple(jnp.zeros(layer, cfg.compute_dtype) for _ in range(cfg.num_layers))
+    else:
+        zeros = lambda: jnp.zeros((cfg.num_layers,) + layer, cfg.compute_dtype)
+    empty = _constrain_cache({"k": zeros(), "v": zeros()})
     hidden, cache = _forward(cfg, params, prompt_ids, position_ids(prompt_mask), prompt_mask, empty, 0)
     return cache, _rows(_next_logits(cfg, params, hidden))
 
@@ -107,8 +149,8 @@ def start(prompt_cache: dict, logits: Array, prompt_mask: Array, live: Array, st
     draws its first token from the shared prefill logits."""
     pad_id = kernel[3]
     prompt_slots = prompt_mask.shape[1]
-    widen = ((0, 0), (0, 0), (0, 0), (0, slots - prompt_slots), (0, 0))
-    cache = {name: jnp.pad(jnp.repeat(c, n, axis=1), widen) for name, c in prompt_cache.items()}
+    cache = _cache_map(prompt_cache, lambda c, axis: _pad_axis(jnp.repeat(c, n, axis=axis), axis + 2,
+                                                                 slots - prompt_slots), 1)
     mask_n = jnp.repeat(prompt_mask, n, axis=0)
     count = mask_n.shape[0]
     live = jnp.repeat(live, n, axis=0)
@@ -136,35 +178,47 @@ def _busiest(finished: Array, devices: int) -> Array:
     return jnp.max(jnp.sum(~finished.reshape(devices, -1), axis=1, dtype=jnp.int32))
 
 
+def step(cfg: ModelConfig, params, s: DecodeState, key: Array, temperature: Array, top_p: Array, eos_ids: Array, *,
+         kernel: tuple, unroll: bool = False) -> DecodeState:
+    """One decode step: feed the last token at slot P + t - 1, sample token t for every row."""
+    pad_id = kernel[3]
+    t = s.step
+    prev = jax.lax.dynamic_slice_in_dim(s.tokens, t - 1, 1, axis=1)
+    pos = (s.prompt_len + t - 1)[:, None]
+    hidden, cache = _forward(cfg, params, prev, pos, s.kv_mask, s.cache, s.prompt_slots + t - 1, unroll)
+    tok, lp = _sample(_next_logits(cfg, params, hidden), key, t, s.rows, s.stop_at, eos_ids, temperature,
+                      top_p, kernel)
+    alive = ~s.finished
+    tok = jnp.where(alive, tok, pad_id)
+    put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), t, axis=1)
+    return _constrain(s._replace(
+        cache=cache,
+        tokens=put(s.tokens, tok),
+        logprobs=put(s.logprobs, jnp.where(alive, lp, 0.0)),
+        mask=put(s.mask, alive),
+        finished=s.finished | _is_eos(tok, eos_ids),
+        step=t + 1,
+    ))
+
+
 def decode(cfg: ModelConfig, params, state: DecodeState, key: Array, temperature: Array, top_p: Array,
            eos_ids: Array, compact_at: Array, *, kernel: tuple, devices: int) -> tuple[DecodeState, Array]:
     """Decode until R tokens, a full cache, or no device holds more than ``compact_at``
     unfinished rows (0: until every row has finished). Returns the state and [step, busiest]."""
-    pad_id = kernel[3]
     max_len = state.tokens.shape[1]
     limit = jnp.minimum(max_len, state.kv_mask.shape[1] - state.prompt_slots)
 
     def cond(s: DecodeState):
         return (s.step < limit) & (_busiest(s.finished, devices) > compact_at)
 
+    # On a GPU the step's layers run straight-line, each reading its own weights and cache buffer at a
+    # constant index, and XLA:GPU puts the whole step into one command buffer (one CUDA graph launch
+    # per token instead of about 16 launches per layer; bench/roofline.py). Elsewhere the loop keeps
+    # compiles short (on CPU 20 s instead of 186 s for the sampler's programs at 1.5B).
+    unroll = per_layer_cache()
+
     def body(s: DecodeState) -> DecodeState:
-        t = s.step
-        prev = jax.lax.dynamic_slice_in_dim(s.tokens, t - 1, 1, axis=1)
-        pos = (s.prompt_len + t - 1)[:, None]
-        hidden, cache = _forward(cfg, params, prev, pos, s.kv_mask, s.cache, s.prompt_slots + t - 1)
-        tok, lp = _sample(_next_logits(cfg, params, hidden), key, t, s.rows, s.stop_at, eos_ids, temperature,
-                          top_p, kernel)
-        alive = ~s.finished
-        tok = jnp.where(alive, tok, pad_id)
-        put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), t, axis=1)
-        return _constrain(s._replace(
-            cache=cache,
-            tokens=put(s.tokens, tok),
-            logprobs=put(s.logprobs, jnp.where(alive, lp, 0.0)),
-            mask=put(s.mask, alive),
-            finished=s.finished | _is_eos(tok, eos_ids),
-            step=t + 1,
-        ))
+        return step(cfg, params, s, key, temperature, top_p, eos_ids, kernel=kernel, unroll=unroll)
 
     state = jax.lax.while_loop(cond, body, _constrain(state))
     return state, jnp.stack([state.step, _busiest(state.finished, devices)])
@@ -206,7 +260,7 @@ def compact(state: DecodeState, out: dict | None, *, rows: int, devices: int):
 
     finished = take(state.finished)
     new = state._replace(
-        cache={name: take(c, axis=1) for name, c in state.cache.items()},
+        cache=_cache_map(state.cache, lambda c, axis: take(c, axis=axis), 1),
         kv_mask=take(state.kv_mask),
         prompt_len=take(state.prompt_len),
         tokens=take(state.tokens),
@@ -222,6 +276,6 @@ def compact(state: DecodeState, out: dict | None, *, rows: int, devices: int):
 def grow(state: DecodeState, *, slots: int) -> DecodeState:
     """The state with ``slots`` cache slots: the new ones empty and attendable (kv_mask 1)."""
     extra = slots - state.kv_mask.shape[1]
-    cache = {name: jnp.pad(c, ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))) for name, c in state.cache.items()}
+    cache = _cache_map(state.cache, lambda c, axis: _pad_axis(c, axis, extra), 3)
     return _constrain(state._replace(cache=cache, kv_mask=jnp.pad(state.kv_mask, ((0, 0), (0, extra)),
                                                                   constant_values=1)))

@@ -122,6 +122,36 @@ class Sampler:
                                 donate_argnames=("out",))  # the state's arrays change shape
         self._grow = jax.jit(programs.grow, static_argnames=("slots",))
         self._scatter = jax.jit(functools.partial(programs.scatter, devices=self.devices), donate_argnames=("out",))
+        self._cast = None
+        per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
+        if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer:
+            from arlopti_jax.models import param_shardings
+
+            dtype, shardings = model_cfg.compute_dtype, param_shardings(model_cfg, mesh, rules)
+
+            def prepare(p):
+                p = jax.tree.map(lambda w: w.astype(dtype), p)
+                if per_layer:
+                    p = {**p, "layers": tuple(jax.tree.map(lambda w: w[i], p["layers"])
+                                              for i in range(model_cfg.num_layers))}
+                return p
+
+            if per_layer:
+                one = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                    *sh.spec[1:])), shardings["layers"])
+                shardings = {**shardings, "layers": (one,) * model_cfg.num_layers}
+            self._cast = jax.jit(prepare, out_shardings=shardings)
+
+    def sampling_params(self, params):
+        """The weights the sampler's programs read, made once per ``generate``: ``params`` in the
+        compute dtype (with float32 master weights and bfloat16 compute, the programs' own casts
+        would read 4 bytes per weight, and write and read 2 more, at every decode step; the values
+        are those of the casts it replaces), and on a GPU with a buffer per layer (its layers run
+        straight-line, and XLA:GPU copies a slice of a stacked weight out before each product)."""
+        if self._cast is None:
+            return params
+        with shd.activate(self.mesh, self.rules):
+            return self._cast(params)
 
     @property
     def cache_sharding(self):
@@ -262,6 +292,57 @@ class Sampler:
                 out, row_fields(state))
         return Decoded(**final, steps=step, loops=tuple(loops))
 
+    def programs(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig, compile) -> None:
+        """Every program a ``generate`` of ``prompts`` prompts (the global count; the longest
+        ``longest`` tokens) x ``n`` samples can run, in the order ``decode`` meets them: the weights'
+        cast to the compute dtype (``sampling_params``), prefill,
+        start, then one decode loop per (rows per device, cache slots) the schedule can reach,
+        with each compaction, growth and final scatter between them (``length_aware``; the
+        dense path is one loop). Each goes to ``compile(name, jitted, *args, **kwargs)`` with
+        abstract arguments (``params`` too: ShapeDtypeStructs with their shardings), which
+        returns its outputs as abstract values. Nothing is allocated (``arlopti_jax.aot``)."""
+        div = self.devices
+        b = -(-bucket(prompts, sampling.batch_bucket) // div) * div
+        p, r = bucket(longest, sampling.prompt_bucket), sampling.max_response_len
+        rows2, rows1, rep = shd.batch_sharding(self.mesh, 2), shd.batch_sharding(self.mesh, 1), shd.replicated(self.mesh)
+        spec = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        ids, live, stops = spec((b, p), jnp.int32, rows2), spec((b,), jnp.bool_, rows1), spec((b * n,), jnp.int32, rows1)
+        key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep)
+        eos = -(-max(1, len(sampling.eos_ids)) // 8) * 8
+        temperature, top_p, eos_ids = spec((), jnp.float32, rep), spec((), jnp.float32, rep), spec((eos,), jnp.int32, rep)
+        ends, kernel = sampling.phase_ends(), sampling.kernel_key
+        with shd.activate(self.mesh, self.rules):
+            if self._cast is not None:
+                params = compile("sampling weights", self._cast, params)
+            cache, logits = compile("prefill", self._prefill, params, ids, ids)
+            start = compile("start", self._start, cache, logits, ids, live, stops, key, temperature, top_p, eos_ids,
+                            n=n, max_len=r, slots=p + ends[0], kernel=kernel)
+            first = b * n // div
+            step_args = (key, temperature, top_p, eos_ids, spec((), jnp.int32, rep))
+            if not sampling.length_aware:
+                compile(f"decode rows={first} slots={p + r}", self._decode, params, start, *step_args, kernel=kernel)
+                return
+            # rows per device: the batch's, then the powers of two below it down to min_rows
+            buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length())) if 1 << i >= sampling.min_rows]
+            full = {name: getattr(start, name) for name in OUTPUTS}
+            states = {(first, 0): start}
+            for phase, end in enumerate(ends):  # as decode meets them: phases up, rows down
+                for i, rows in enumerate(buckets):
+                    state = states.get((rows, phase))
+                    if state is None:
+                        continue
+                    slots = p + end
+                    compile(f"decode rows={rows} slots={slots}", self._decode, params, state, *step_args, kernel=kernel)
+                    if rows != first and phase == 0:  # the final scatter reads only the rows' outputs
+                        compile(f"scatter rows={rows}", self._scatter, full, row_fields(state))
+                    if i + 1 < len(buckets):  # nothing compacted yet (out None) while the batch is whole
+                        states[(buckets[i + 1], phase)], _ = compile(
+                            f"compact rows={rows} slots={slots}", self._compact, state,
+                            None if rows == first else full, rows=buckets[i + 1])
+                    if phase + 1 < len(ends):
+                        states[(rows, phase + 1)] = compile(f"grow rows={rows} slots={slots}", self._grow, state,
+                                                            slots=p + ends[phase + 1])
+
     def generate(self, params, prompts: Sequence[Sequence[int]], n: int, key: Array,
                  sampling: SamplingConfig, stop_at: np.ndarray | None = None) -> Rollout:
         """n responses to each prompt (token id lists), as host arrays grouped by prompt.
@@ -275,6 +356,7 @@ class Sampler:
         log-prob under the model, the row finished (not truncated).
         """
         batch = self.pad_prompts(prompts, sampling)
+        params = self.sampling_params(params)
         done = self.decode(params, self.start(params, batch, n, key, sampling, stop_at), key, sampling)
         keep = batch.num_prompts * n
         fetch = lambda x: dist.local_rows(x)[:keep]

@@ -1,0 +1,6 @@
+"""Compile-only checks for accelerators this machine does not have: ``python -m arlopti_jax.aot``.
+
+``targets`` names the TPU slices and H100s, ``check`` compiles one RL step's programs for one
+and reads the compiler's figures, ``hlo`` reads optimized HLO and XLA:GPU thunk sequences,
+``shapes`` gives a model's shape without its weights.
+"""

@@ -1,0 +1,137 @@
+"""Compile every program of one RL step for a TPU slice or H100s that this machine does not have.
+
+    python -m arlopti_jax.aot --config=configs/layouts/v5p8.py:7b,grpo_ar_lopti --target=v5p-8
+    python -m arlopti_jax.aot --config=configs/kk.py:3b,grpo_ar_lopti --target=v5e-16,h100x8 --json=aot.json
+
+The config is read as ``train`` reads it (the same file, the same ``--config.<field>=<value>``
+overrides) and the run is assembled as ``train`` assembles it, on a mesh of the target's
+compile-only devices: the programs compiled are the ones ``train`` would run there, for the
+worst case of the config's shapes (every prompt and response at its longest). No weights are
+read and nothing is allocated; the model's shape comes from ``model.path``'s config.json, or,
+when that folder is not on this machine, from its Qwen2.5 size (``arlopti_jax/aot/shapes.py``).
+
+Per program it prints the compile time, the per-device memory the compiler assigned
+(arguments, outputs, temporaries, aliased), the step's per-device peak with the resident
+training state, flops and bytes accessed, the compiler's time estimate where it gives one (TPU,
+programs without loops), and the collectives of the optimized HLO. It exits 0 when the step
+fits every target, 1 when a target's peak is over its memory (one line each: which program, how
+much, what to change), 2 on a bad command line or config. Every figure is the compiler's, for
+the real target, not a measurement of a run.
+
+Targets: v5e-8, v5e-16, v5e-256, v5p-8, v5p-64, v4-32 (multi-host slices as their pods run them:
+one process per host), h100, h100x8 (one node). Needs ``pip install -e ".[aot]"``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from arlopti_jax.aot import targets
+
+targets.prepare_environment()  # before JAX starts a backend
+
+from arlopti_jax.cli import Command, startup_done  # noqa: E402
+from arlopti_jax.config import DEFAULT_CONFIG, ConfigError  # noqa: E402
+
+COMMAND = Command(
+    name="arlopti_jax.aot", doc=__doc__, default_file=DEFAULT_CONFIG,
+    flags=(("--target=NAME[,NAME...]", f"compile-only targets: {', '.join(targets.TARGETS)}"),
+           ("--json=PATH", "also write the records (one per target) as JSON"),
+           ("--eval", "also compile the evaluation's sampler programs (greedy and sampled)"),
+           ("--verbose", "a line per program as it compiles")),
+    examples=(
+        "python -m arlopti_jax.aot --config=configs/layouts/v5p8.py:7b,grpo_ar_lopti --target=v5p-8",
+        "python -m arlopti_jax.aot --config=configs/layouts/gpu8x80.py:3b,grpo_ar_lopti --target=h100x8 "
+        "--json=runs/aot_h100x8.json",
+        "python -m arlopti_jax.aot --target=v5e-8,h100   # the embedded default's programs",
+    ))
+
+
+def format_record(record: dict) -> str:
+    """The table ``aot`` prints for one target."""
+    gib = lambda b: f"{b / targets.GIB:7.2f}"
+    lines = [f"{record['target_label']}: {record['model']}, {record['model_params'] / 1e9:.2f}B parameters, mesh "
+             + " x ".join(f"{k}={v}" for k, v in record["mesh"].items() if v > 1 or k == "fsdp")
+             + f", {record['processes']} process(es), jax {record['jax']}",
+             f"{'program':40s} {'compile s':>9s} {'args':>7s} {'out':>7s} {'temp':>7s} {'alias':>7s} {'peak':>7s} "
+             f"{'TFLOP':>8s} {'GB read+written':>15s} {'estimate ms':>11s}  collectives (count, GB)"]
+    for p in record["programs"]:
+        m = p["memory"]
+        flops = f"{p['flops'] / 1e12:8.2f}" if p["flops"] and p["loop_free"] else f"{'-':>8s}"
+        moved = f"{p['hlo_bytes'] / 1e9:15.2f}"
+        estimate = f"{p['estimate_s'] * 1e3:11.2f}" if p["estimate_s"] else f"{'-':>11s}"
+        coll = ", ".join(f"{k} {v['count']} ({v['bytes'] / 1e9:.2f})" for k, v in p["collectives"].items()) or "-"
+        lines.append(f"{(p['group'] + ' ' + p['name'])[:40]:40s} {p['compile_s']:9.1f} {gib(m['argument'])} "
+                     f"{gib(m['output'])} {gib(m['temp'])} {gib(m['alias'])} {gib(p['peak_bytes_per_device'])} "
+                     f"{flops} {moved} {estimate}  {coll}")
+    fits = "fits" if record["fits"] else "DOES NOT FIT"
+    lines.append(f"peak {record['peak_bytes_per_device'] / targets.GIB:.2f} GiB per device ({record['peak_program']}; "
+                 f"resident state {record['resident_bytes_per_device'] / targets.GIB:.2f} GiB) of "
+                 f"{record['device_memory_bytes'] / targets.GIB:.1f} GiB: {fits}; {len(record['programs'])} programs "
+                 f"compiled in {record['compile_s']:.1f} s")
+    lines.append("(compiler figures for the target, not a run: GiB and GB per device; TFLOP and the estimate from "
+                 "XLA's cost analysis, for programs without loops; GB read+written counted from the optimized HLO, "
+                 "layer loops multiplied, a decode loop's body once: one decode step)")
+    return "\n".join(lines)
+
+
+def main(argv) -> int:
+    from absl import flags
+
+    from arlopti_jax.aot.check import DoesNotFit, check, does_not_fit_line
+
+    config = flags.FLAGS.config
+    names = [t for t in flags.FLAGS.target.split(",") if t]
+    try:
+        if not names:
+            raise targets.TargetError(f"--target is required: one or more of {', '.join(targets.TARGETS)}")
+        chosen = [targets.get(name) for name in names]
+        for target in chosen:
+            targets.devices(target)  # the compiler is installed
+    except targets.TargetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    startup_done(COMMAND.name)
+    records, status = [], 0
+    for target in chosen:
+        try:
+            record = check(config, target, verbose=flags.FLAGS.verbose, eval_programs=flags.FLAGS.eval)
+        except (ConfigError, FileNotFoundError, ValueError) as err:
+            print(f"error: {target.name}: {err}", file=sys.stderr)
+            status = max(status, 2)
+            continue
+        except DoesNotFit as err:
+            print(f"error: {err}", file=sys.stderr)
+            status = max(status, 1)
+            continue
+        records.append(record)
+        print(format_record(record), flush=True)
+        if not record["fits"]:
+            print(f"error: {does_not_fit_line(record)}", file=sys.stderr)
+            status = max(status, 1)
+    if flags.FLAGS.json and records:
+        with open(flags.FLAGS.json, "w") as f:
+            json.dump(records if len(records) > 1 else records[0], f, indent=1)
+    return status
+
+
+def _cli():
+    from absl import flags
+    from ml_collections import config_flags
+
+    from arlopti_jax.cli import parse_command_line
+
+    def define():
+        flags.DEFINE_string("target", "", "compile-only target(s), comma-separated")
+        flags.DEFINE_string("json", "", "write the records as JSON to this file")
+        flags.DEFINE_bool("eval", False, "also compile the evaluation's sampler programs")
+        flags.DEFINE_bool("verbose", False, "a line per program as it compiles")
+        config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).",
+                                        lock_config=True)
+
+    sys.exit(main(parse_command_line(sys.argv, COMMAND, define)))
+
+
+if __name__ == "__main__":
+    _cli()

@@ -1,0 +1,312 @@
+"""Compile one RL step's programs for a compile-only target and read what the compiler says.
+
+``check(config, target)`` builds the run exactly as ``train`` does (``run_setup.assemble``) on
+a mesh of the target's compile-only devices, with abstract parameters, optimizer state and
+batches (``jax.ShapeDtypeStruct``s in the trainer's shardings; nothing is allocated), then
+lowers and compiles every program one RL step runs:
+
+- rollout: the sampler's prefill, start and decode loop(s), and with ``rollout.length_aware``
+  every compaction, growth and scatter its schedule can reach (``Sampler.programs``);
+- log-probs: the packed teacher-forced pass (the reference policy's, and pi_old's with
+  ``rollout.recompute_old_logprobs``), when the config runs it;
+- update: the gradient accumulator's zeros, one accumulate of a packed micro-batch and the
+  optimizer step.
+
+Batches are the worst case: every prompt at ``data.max_prompt_length`` and every response at
+``rollout.max_response_length``, packed by the trainer's own packer (the micro-batch shape of
+the step's memory peak; shorter sequences pack into the same budget or a smaller shape).
+
+Per program: compile seconds, the compiler's per-device memory (arguments, outputs,
+temporaries, aliased), flops and bytes accessed (XLA:TPU's cost analysis; on a GPU the bytes are
+counted from the optimized HLO, ``hlo.Module``), the compiler's time estimate (TPU; only for
+programs without loops, where it is meaningful), and the collectives in the optimized HLO.
+The step's per-device peak adds what stays resident across programs (parameters, optimizer
+state, the reference policy) to each program's own arguments, outputs and temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arlopti_jax import run_setup
+from arlopti_jax import sharding as shd
+from arlopti_jax.aot import hlo, targets
+from arlopti_jax.aot.targets import GIB, Target
+from arlopti_jax.algos import packing
+from arlopti_jax.algos.losses import aggregation_weights
+from arlopti_jax.rollout.sampling import bucket
+
+HEADROOM = 0.95  # of the chip's memory a program may use (XLA reserves some; fragmentation)
+
+
+class DoesNotFit(RuntimeError):
+    """A program needs more memory per device than the chip has (one line: which, how much, what to change)."""
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    group: str  # rollout | logprobs | update
+    compile_s: float
+    memory: dict[str, int]  # argument, output, temp, alias (bytes per device)
+    resident_args: int  # bytes per device of the arguments that stay resident (params, optimizer state)
+    flops: float | None  # XLA:TPU's cost analysis (a loop's body counted once: see loop_free)
+    bytes_accessed: float | None  # likewise
+    estimate_s: float | None  # XLA:TPU's time estimate, loop-free programs only
+    hlo_bytes: float  # the optimized HLO's memory traffic, loops with a known trip count multiplied
+    loop_free: bool
+    collectives: dict
+    peak: int = 0  # bytes per device while this program runs (resident state included)
+    gpu: dict | None = None  # GPU: launches per loop body (``hlo.launches``)
+
+    def record(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["peak_bytes_per_device"] = out.pop("peak")
+        return out
+
+
+def shard_bytes(tree) -> int:
+    """Per-device bytes of a tree of sharded abstract arrays (the largest shard of each leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+def abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def worst_case_micro_batch(run: run_setup.Run) -> tuple[dict, dict, list]:
+    """The host arrays of the first (largest) packed micro-batch when every sequence of a
+    mini-batch has the longest prompt and response: the update's and the log-prob pass's; and
+    the mini-batch's whole plan."""
+    c = run.config
+    width = bucket(c.data.max_prompt_length, c.rollout.prompt_bucket)
+    r = c.rollout.max_response_length
+    rows = c.train.mini_batch
+    attention = np.zeros((rows, width + r), np.int32)
+    attention[:, width - c.data.max_prompt_length:] = 1
+    response = np.zeros_like(attention)
+    response[:, width:] = 1
+    ids = np.zeros_like(attention)
+    order = np.arange(rows)
+    plan = run.train_step.plan({"attention_mask": attention, "response_mask": response, "input_ids": ids}, order)
+    floats = np.zeros(attention.shape, np.float32)
+    targets = {"old_logprobs": floats, "advantages": floats, "loss_mask": response, "response_mask": response,
+               "agg_weight": aggregation_weights(response, run.loss_cfg.agg), "target_ids": ids}
+    if run.use_reference:
+        targets["ref_logprobs"] = floats
+    logprob_pass = packing.gather(plan[0], {"input_ids": ids}, {"target_ids": ids})
+    return packing.gather(plan[0], {"input_ids": ids}, targets), logprob_pass, plan
+
+
+class Compiler:
+    """Compiles programs for a target, recording a ``Program`` each (``verbose``: a line each)."""
+
+    def __init__(self, target: Target, resident: int, verbose: bool, dump: Path | None):
+        self.target, self.resident, self.verbose, self.dump = target, resident, verbose, dump
+        self.programs: list[Program] = []
+        self.group = ""
+        self.resident_leaves: set[int] = set()
+
+    def __call__(self, name: str, jitted, *args, **kwargs):
+        options = {}
+        if self.dump is not None:  # XLA:GPU's thunk sequence: the launches (kernels, command buffers)
+            folder = self.dump / f"{len(self.programs):03d}"
+            options = {"xla_dump_to": str(folder), "xla_dump_hlo_pass_re": "^$"}
+        start = time.perf_counter()
+        lowered = jitted.lower(*args, **kwargs)
+        try:
+            compiled = lowered.compile(compiler_options=options or None)
+        except Exception as err:  # XLA reports a program that cannot fit as RESOURCE_EXHAUSTED
+            if "RESOURCE_EXHAUSTED" in str(err):
+                first = next((line for line in str(err).splitlines() if "RESOURCE_EXHAUSTED" in line), str(err))
+                xla = re.sub(r"(\d+(?:\.\d+)?)G\b", r"\1 GiB", first.split("RESOURCE_EXHAUSTED:")[-1].strip())
+                raise DoesNotFit(f"{self.target.name}: the {self.group} program '{name}' does not fit "
+                                 f"({xla[:240]}): {advice(self.group)}") from None
+            raise
+        seconds = time.perf_counter() - start
+        m = compiled.memory_analysis()
+        memory = {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
+                  "temp": int(m.temp_size_in_bytes), "alias": int(m.alias_size_in_bytes)}
+        resident = sum(shard_bytes(leaf) for leaf in jax.tree.leaves(args) if id(leaf) in self.resident_leaves)
+        text = compiled.as_text()
+        module = hlo.Module(text)
+        cost = compiled.cost_analysis() or {}
+        if isinstance(cost, (list, tuple)):  # older JAX: one dict per device
+            cost = cost[0] if cost else {}
+        loop_free = not module.loops()
+        estimate = cost.get("optimal_seconds")
+        program = Program(
+            name=name, group=self.group, compile_s=round(seconds, 2), memory=memory, resident_args=resident,
+            flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
+            estimate_s=float(estimate) if estimate is not None and loop_free and estimate > 0 else None,
+            hlo_bytes=module.bytes(), loop_free=loop_free,
+            collectives={k: v for k, v in module.collectives().items() if v["count"]})
+        program.peak = self.resident - resident + memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+        if self.dump is not None:
+            program.gpu = gpu_launches(folder, jitted)
+        self.programs.append(program)
+        if self.verbose:
+            print(f"  {self.group:8s} {name:32s} {seconds:6.1f} s  peak {program.peak / GIB:6.2f} GiB", flush=True)
+        return jax.tree.map(lambda info, sh: abstract(info.shape, info.dtype, sh), lowered.out_info,
+                            compiled.output_shardings)
+
+
+def gpu_launches(folder: Path, jitted) -> dict | None:
+    """Launches of the program's loop bodies from XLA:GPU's dumped thunk sequence: for each
+    while loop (outermost first), kernels launched outside command buffers, command buffers, and
+    the kernels inside them, per iteration."""
+    name = getattr(jitted, "__name__", None) or getattr(getattr(jitted, "__wrapped__", None), "__name__", "")
+    found = sorted(Path(folder).glob("*thunk_sequence_after_thunk_passes.txt"))
+    text = found[-1].read_text() if found else None
+    shutil.rmtree(folder, ignore_errors=True)
+    if text is None:
+        return None
+    thunks = hlo.parse_thunks(text)
+    return {"program": hlo.launches(thunks), "loops": [hlo.launches(body) for body in hlo.while_bodies(thunks)],
+            "function": name}
+
+
+def persistent_cache(on: bool) -> None:
+    """Turn JAX's persistent compilation cache on or off for the programs compiled next (JAX
+    decides once per process unless its cache state is reset)."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", on)
+    compilation_cache.reset_cache()
+
+
+def model_shape(config) -> tuple:
+    """(ModelConfig, eos ids, pad id) without weights: the model folder's config.json (and its
+    tokenizer's special ids when present), a Qwen2.5 preset for a known folder name that is not
+    here, or the embedded start point's shape."""
+    from arlopti_jax.aot import shapes
+
+    return shapes.for_config(config)
+
+
+GROUPS = ("rollout", "logprobs", "update")
+
+
+def check(config, target: Target, *, verbose: bool = False, eval_programs: bool = False,
+          groups: tuple[str, ...] = GROUPS) -> dict:
+    """Compile one RL step of ``config`` for ``target`` (the programs of ``groups``): the JSON
+    record (module docstring)."""
+    from arlopti_jax import distributed as dist
+    from arlopti_jax.config import validate
+
+    devices = targets.devices(target)
+    validate(config, len(devices))
+    mesh = run_setup.make_mesh(config, devices=list(devices))
+    dist.validate(config, mesh)
+    model_cfg, eos, pad, source = model_shape(config)
+    run = run_setup.assemble(config, mesh, model_cfg, eos_ids=eos, pad_id=pad,
+                             total_steps=max(1, config.train.max_steps))
+    params, opt_state = run.state["params"], run.state["opt_state"]
+    resident = shard_bytes(params) * (2 if run.use_reference else 1) + shard_bytes(opt_state)
+    dump = Path(tempfile.mkdtemp(prefix="arlopti_aot_")) if target.platform == "gpu" else None
+    compiler = Compiler(target, resident, verbose, dump)
+    compiler.resident_leaves = {id(x) for x in jax.tree.leaves((params, opt_state))}
+    started = time.perf_counter()
+    c = config
+    persistent_cache(False)  # executables of compile-only devices cannot be serialized into it
+    try:
+        compiler.group = "rollout"
+        if "rollout" in groups:
+            run.sampler.programs(params, c.train.batch_prompts, c.data.max_prompt_length, c.rollout.n,
+                                 run.sampling(), compiler)
+        if eval_programs:
+            compiler.group = "eval"
+            cap = c.train.batch_prompts * c.rollout.n
+            run.sampler.programs(params, cap, c.data.max_prompt_length, 1, run.sampling(greedy=True), compiler)
+            run.sampler.programs(params, max(1, cap // c.train.eval_n), c.data.max_prompt_length, c.train.eval_n,
+                                 run.sampling(temperature=c.train.eval_temperature), compiler)
+        host, logprob_host, plan = worst_case_micro_batch(run)
+        row = run.train_step.row_sharding
+        spec = lambda arrays: {k: abstract(v.shape, v.dtype, row) for k, v in arrays.items()}
+        with shd.activate(mesh, run.train_step.rules):
+            if "logprobs" in groups and (run.use_reference or c.rollout.recompute_old_logprobs):
+                compiler.group = "logprobs"
+                compiler(f"log-probs {_shape(host)}", run.logprobs.jitted, params, spec(logprob_host))
+            compiler.group = "update"
+            step = run.train_step
+            if "update" in groups:
+                acc = compiler("zeros", step._zeros, params)
+                acc = compiler(f"accumulate {_shape(host)}", step._accumulate, params, acc, spec(host))
+                compiler("apply (clip + AdamW)", step._apply, params, opt_state, acc,
+                         abstract((), jnp.float32, shd.replicated(mesh)))
+    finally:
+        persistent_cache(True)
+        if dump is not None:
+            shutil.rmtree(dump, ignore_errors=True)
+    return report(config, target, run, compiler.programs, resident, time.perf_counter() - started, source, plan)
+
+
+def _shape(host: dict) -> str:
+    rows, length = host["input_ids"].shape
+    return f"{rows}x{length}"
+
+
+def report(config, target: Target, run, programs: list[Program], resident: int, seconds: float, source: str,
+           plan: list) -> dict:
+    peak = max(programs, key=lambda p: p.peak)
+    usable = int(target.hbm_bytes * HEADROOM)
+    c = config
+    return {
+        "target": target.name,
+        "target_label": target.label,
+        "platform": target.platform,
+        "jax": jax.__version__,
+        "model": source,
+        "model_params": run.model_cfg.num_params(),
+        "mesh": {k: int(v) for k, v in run.mesh.shape.items()},
+        "processes": len({d.process_index for d in run.mesh.devices.flat}),
+        "batch": {"prompts": c.train.batch_prompts, "n": c.rollout.n,
+                  "prompt_slots": bucket(c.data.max_prompt_length, c.rollout.prompt_bucket),
+                  "response": c.rollout.max_response_length, "mini_batch": c.train.mini_batch,
+                  "tokens_per_device": run.tokens_per_device, "micro_batches_per_mini_batch": len(plan),
+                  "optimizer_steps_per_rl_step": run_setup.optimizer_steps_per_rl_step(c)},
+        "resident_bytes_per_device": resident,
+        "programs": [p.record() for p in programs],
+        "peak_program": peak.name,
+        "peak_bytes_per_device": peak.peak,
+        "device_memory_bytes": target.hbm_bytes,
+        "usable_bytes_per_device": usable,
+        "fits": peak.peak <= usable,
+        "compile_s": round(seconds, 1),
+    }
+
+
+def advice(group: str, resident_dominates: bool = False) -> str:
+    """What to change when a program of ``group`` does not fit."""
+    if resident_dominates:
+        return ("the resident state dominates (parameters, AdamW moments, the reference policy): shard it over more "
+                "devices (mesh.fsdp), or model.param_dtype=bfloat16, or loss.kl_coef=0 (no reference copy)")
+    if group in ("rollout", "eval"):
+        return ("the rollout's KV cache dominates: fewer train.batch_prompts or rollout.n per step, a shorter "
+                "rollout.max_response_length, more batch shards (mesh.data x mesh.fsdp), or mesh.tensor up to the "
+                "kv-head count")
+    return ("the update's activations dominate: a smaller train.max_tokens_per_micro_batch (or train.micro_batch), "
+            "model.remat=True, or mesh.tensor=2")
+
+
+def does_not_fit_line(record: dict) -> str:
+    peak = next(p for p in record["programs"] if p["name"] == record["peak_program"])
+    resident = record["resident_bytes_per_device"]
+    return (f"{record['target']}: the {peak['group']} program '{peak['name']}' needs "
+            f"{record['peak_bytes_per_device'] / GIB:.1f} GiB per device, more than the "
+            f"{record['usable_bytes_per_device'] / GIB:.1f} GiB usable of {record['device_memory_bytes'] / GIB:.1f} GiB: "
+            f"{advice(peak['group'], resident >= peak['peak_bytes_per_device'] - resident)}")

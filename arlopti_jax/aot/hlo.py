@@ -1,0 +1,324 @@
+"""Reading a compiled program's optimized HLO text (``compiled.as_text()``) and XLA:GPU's thunk
+sequence: collectives, memory traffic and kernel launches, where a compiler reports no cost.
+
+XLA:TPU's ``cost_analysis()`` gives flops and bytes; XLA:GPU's compile-only executables give
+nothing, so bytes are counted here the way XLA's own cost analysis does: every kernel (a fusion,
+a library call, a copy) reads its operands and writes its result once, except that a fusion
+parameter read only through slices costs the slices, and a dynamic-update-slice in place costs
+its update, not the whole buffer. A while loop with a known trip count (the layer loop) counts
+its body that many times; the decode loop's trip count is unknown, and its body is what
+``loop_body_bytes`` reports: one decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1,
+               "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "token": 0}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
+        "opt-barrier", "add-dependency", "domain", "iota"}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape string: an array ``bf16[28,512]{1,0}`` or a tuple of them."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    args: str = ""  # the raw text between the parentheses (a parameter's number)
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
+        return m.group(1) if m else None
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis group opening at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _instruction(line: str) -> Instruction | None:
+    line = line.strip()
+    if line.startswith("ROOT "):
+        line = line[5:]
+    if " = " not in line or not line.startswith("%"):
+        return None
+    name, rest = line.split(" = ", 1)
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+        shape, rest = rest[:end], rest[end:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    m = re.match(r"([\w\-]+)\(", rest)
+    if not m:
+        return None
+    end = _balanced(rest, m.end() - 1)
+    args = rest[m.end():end - 1]
+    return Instruction(name.lstrip("%"), shape, m.group(1), re.findall(r"%([\w.\-]+)", args), rest[end:], args)
+
+
+def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """({computation: instructions}, the entry computation's name) of an HLO module's text."""
+    comps: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        head = re.match(r"(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = head.group(2)
+            comps[current] = []
+            if head.group(1):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            inst = _instruction(line)
+            if inst is not None:
+                comps[current].append(inst)
+    return comps, entry
+
+
+def trip_count(inst: Instruction, comps: dict[str, list[Instruction]] | None = None) -> int | None:
+    """A while loop's trip count: XLA:GPU's ``known_trip_count``, else (XLA:TPU does not print it)
+    a condition ``i < N`` against a constant, the induction variable starting at 0 in the
+    loop's initial tuple (a layer scan's form)."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+    if m:
+        return int(m.group(1))
+    cond = (comps or {}).get(inst.attr("condition") or "", [])
+    if not cond or cond[-1].opcode != "compare" or "direction=LT" not in cond[-1].attrs:
+        return None
+    values = {i.name: i for i in cond}
+    lhs, rhs = (values.get(o) for o in cond[-1].operands[:2])
+    if lhs is None or rhs is None or rhs.opcode != "constant" or lhs.opcode != "get-tuple-element":
+        return None
+    bound = re.match(r"\s*(-?\d+)", rhs.args)
+    return int(bound.group(1)) if bound and int(bound.group(1)) > 0 else None
+
+
+class Module:
+    """An optimized HLO module: traffic, collectives and loops, per execution of a computation."""
+
+    def __init__(self, text: str):
+        self.comps, self.entry = parse(text)
+        self.by_name = {c: {i.name: i for i in insts} for c, insts in self.comps.items()}
+
+    def _fusion_bytes(self, inst: Instruction, comp: str) -> float:
+        """A fusion's reads and writes: a parameter read only through slices costs the slices;
+        the buffer of an in-place dynamic-update-slice costs the update written."""
+        called = inst.attr("calls")
+        body = self.comps.get(called or "", [])
+        users: dict[str, list[Instruction]] = {}
+        for i in body:
+            for op in i.operands:
+                users.setdefault(op, []).append(i)
+
+        def reads(name: str) -> list[tuple[Instruction, str]]:  # (user, the name it reads) through bitcasts
+            out = []
+            for u in users.get(name, []):
+                out += reads(u.name) if u.opcode == "bitcast" else [(u, name)]
+            return out
+        outer = self.by_name[comp]
+        total = 0.0
+        for position, operand in enumerate(inst.operands):
+            whole = shape_bytes(outer[operand].shape) if operand in outer else 0.0
+            param = next((p.name for p in body if p.opcode == "parameter" and _param_number(p) == position), None)
+            uses = reads(param) if param else []
+            if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == v for u, v in uses):
+                total += sum(shape_bytes(u.shape) for u, _ in uses)
+            elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == v for u, v in uses):
+                total += 0.0  # updated in place: the written slice is counted with the output
+            else:
+                total += whole
+        root = body[-1] if body else None
+        roots = [self.by_name[called][o] for o in root.operands] if root is not None and root.opcode == "tuple" else [root]
+        for r in roots:
+            if r is None:
+                continue
+            if r.opcode == "dynamic-update-slice":
+                total += shape_bytes(self.by_name[called][r.operands[1]].shape)
+            else:
+                total += shape_bytes(r.shape)
+        return total
+
+    def bytes(self, comp: str | None = None, loops_known_only: bool = False) -> float:
+        """Memory traffic of one execution of ``comp`` (default: the entry). While loops with a
+        known trip count count their body that many times; others once."""
+        comp = comp or self.entry
+        total = 0.0
+        for inst in self.comps[comp]:
+            op = inst.opcode
+            if op in FREE or op.endswith("-done"):
+                continue
+            if op == "while":
+                total += self.bytes(inst.attr("body")) * (trip_count(inst, self.comps) or 1)
+            elif op in ("call", "conditional"):
+                called = inst.attr("to_apply") or inst.attr("true_computation")
+                total += self.bytes(called) if called in self.comps else 0.0
+            elif op == "fusion":
+                total += self._fusion_bytes(inst, comp)
+            elif op.startswith(COLLECTIVES):
+                continue  # network traffic: ``collectives``
+            elif op == "dynamic-update-slice":  # in place: the update read and written
+                total += 2 * shape_bytes(self.by_name[comp][inst.operands[1]].shape)
+            else:
+                outer = self.by_name[comp]
+                total += shape_bytes(inst.shape) + sum(shape_bytes(outer[o].shape) for o in inst.operands if o in outer)
+        return total
+
+    def loops(self, comp: str | None = None) -> list[tuple[Instruction, str]]:
+        """Every while instruction reachable from ``comp`` (default: the entry), with the
+        computation holding it, outermost first."""
+        comp = comp or self.entry
+        out = []
+        for inst in self.comps[comp]:
+            if inst.opcode == "while":
+                out.append((inst, comp))
+                out += self.loops(inst.attr("body"))
+            elif inst.opcode in ("call", "conditional") and (inst.attr("to_apply") or "") in self.comps:
+                out += self.loops(inst.attr("to_apply"))
+        return out
+
+    def collectives(self, comp: str | None = None, times: int = 1, out: dict | None = None) -> dict:
+        """{kind: {"count", "bytes"}} per execution of ``comp``: known-trip-count loops multiplied,
+        other loops' bodies counted once (per iteration)."""
+        comp = comp or self.entry
+        out = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES} if out is None else out
+        for inst in self.comps[comp]:
+            if inst.opcode == "while":
+                self.collectives(inst.attr("body"), times * (trip_count(inst, self.comps) or 1), out)
+            elif inst.opcode in ("call", "conditional") and (inst.attr("to_apply") or "") in self.comps:
+                self.collectives(inst.attr("to_apply"), times, out)
+            else:
+                kind = next((k for k in COLLECTIVES if inst.opcode in (k, f"{k}-start")), None)
+                if kind:
+                    out[kind]["count"] += times
+                    out[kind]["bytes"] += times * _result_bytes(inst)
+        return out
+
+
+def _param_number(inst: Instruction) -> int | None:
+    m = re.match(r"\s*(\d+)", inst.args)
+    return int(m.group(1)) if m else None
+
+
+def _result_bytes(inst: Instruction) -> float:
+    """A collective's payload: its result (for an async start, the last element of its tuple)."""
+    if inst.opcode.endswith("-start") and inst.shape.startswith("("):
+        parts = _ARRAY.findall(inst.shape)
+        dtype, dims = parts[-1]
+        return DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+    return shape_bytes(inst.shape)
+
+
+# ---- XLA:GPU thunk sequences (``xla_dump_to``: *.thunk_sequence_after_thunk_passes.txt) ----
+
+@dataclasses.dataclass
+class Thunk:
+    kind: str
+    name: str
+    children: list["Thunk"] = dataclasses.field(default_factory=list)
+    sections: dict[str, list["Thunk"]] = dataclasses.field(default_factory=dict)  # kWhile: condition, body
+
+
+def parse_thunks(text: str) -> list[Thunk]:
+    """The thunk tree of a dumped sequence: indentation nests a command buffer's commands and a
+    while loop's condition and body."""
+    root: list[Thunk] = []
+    stack: list[tuple[int, list[Thunk], Thunk | None]] = [(-1, root, None)]
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        section = re.match(r"\s*(condition|body):\s*$", line)
+        while len(stack) > 1 and indent <= stack[-1][0] and not (section and stack[-1][2] is not None):
+            stack.pop()
+        if section:
+            owner = next(t for _, _, t in reversed(stack) if t is not None and t.kind == "kWhile")
+            while stack[-1][2] is not owner:
+                stack.pop()
+            items: list[Thunk] = []
+            owner.sections[section.group(1)] = items
+            stack.append((indent, items, None))
+            continue
+        m = re.match(r"\s*\d+:\s+(k\w+)\s+\[[^\]]*\]\s*(\S*)", line)
+        if not m:
+            continue
+        thunk = Thunk(m.group(1), m.group(2))
+        while len(stack) > 1 and indent <= stack[-1][0]:
+            stack.pop()
+        stack[-1][1].append(thunk)
+        stack.append((indent, thunk.children, thunk))
+    return root
+
+
+def launches(thunks: list[Thunk]) -> dict[str, int]:
+    """Launches of one pass over ``thunks`` (loops not entered): kernels and library calls
+    outside command buffers, command buffers (each one launch), and the kernels inside them."""
+    out = {"kernels": 0, "command_buffers": 0, "kernels_in_command_buffers": 0, "loops": 0}
+    for t in thunks:
+        if t.kind == "kCommandBuffer":
+            out["command_buffers"] += 1
+            out["kernels_in_command_buffers"] += sum(1 for c in _flatten(t.children) if c.kind != "kCommandBuffer")
+        elif t.kind == "kWhile":
+            out["loops"] += 1
+        elif t.kind in ("kSequential",):
+            for k, v in launches(t.children).items():
+                out[k] += v
+        else:
+            out["kernels"] += 1
+    return out
+
+
+def _flatten(thunks: list[Thunk]) -> list[Thunk]:
+    out = []
+    for t in thunks:
+        out.append(t)
+        out += _flatten(t.children)
+        for items in t.sections.values():
+            out += _flatten(items)
+    return out
+
+
+def while_bodies(thunks: list[Thunk]) -> list[list[Thunk]]:
+    """The bodies of the while thunks, outermost first (depth-first)."""
+    out = []
+    for t in thunks:
+        if t.kind == "kWhile":
+            body = t.sections.get("body", [])
+            out.append(body)
+            out += while_bodies(body)
+        out += while_bodies(t.children)
+    return out
+
+
+def read_dump(folder: Path, module: str) -> str | None:
+    """The thunk sequence XLA:GPU dumped for ``module`` (its jit name) in ``folder``, if any."""
+    found = sorted(Path(folder).glob(f"*jit_{module}*thunk_sequence_after_thunk_passes.txt"))
+    return found[-1].read_text() if found else None
+
+
+def summary_json(value) -> str:
+    return json.dumps(value, indent=1, sort_keys=True)

@@ -1,0 +1,249 @@
+"""Compiler figures for one decode step and one train micro-batch, against the hardware's limits.
+
+    python bench/roofline.py decode                       # 1.5B, rows 64 and 256, prompt 512 + 4096, h100 and v5e-1
+    python bench/roofline.py decode --targets h100 --rows 64 --slots 1536,2560,4608
+    python bench/roofline.py train --target v5e-16 --shape 3b
+
+Everything here is compiled by the target's own compiler in compile-only mode
+(``arlopti_jax.aot``): compiler figures, not runs.
+
+decode: one decode step of the sampler (``rollout/programs.step``: the last token through every
+layer with its KV cache, logits, the next token sampled) for ``--rows`` rows with a cache of
+``--slots`` slots (default the whole prompt + response), in bfloat16 with the sampler's
+bfloat16 weights (``Sampler.sampling_params``). The minimum traffic of a step is the weights
+once (the tied embedding read once, as the output projection) plus the live KV cache once: the
+step is at its memory roofline when it moves that and no more. Printed per target:
+
+- bytes per step: XLA:TPU's cost analysis on the straight-line step (layers unrolled: its
+  estimate needs a program without loops), or, on the H100, the optimized HLO's traffic
+  (``aot.hlo.Module``), against the minimum;
+- TPU: the compiler's time estimate against the roofline time (minimum bytes / HBM bandwidth);
+- H100: the launches of the decode loop that runs (layers as a loop): per layer and per step,
+  kernels outside command buffers and command buffers, from XLA:GPU's thunk sequence.
+
+train: one packed micro-batch's forward and backward (``TrainStep._accumulate``) of a Qwen2.5
+shape at the paper's sequence length (one 4544-token sequence per device), layers unrolled and
+the vocabulary projection in one chunk so the program has no loop; model FLOPs (6 x parameters
+x tokens + causal attention, the usual MFU count: no rematerialisation) over the compiler's
+estimate and the chip's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    d = sub.add_parser("decode", help="one decode step")
+    d.add_argument("--targets", default="h100,v5e-1")
+    d.add_argument("--shape", default="1.5b", help="a Qwen2.5 size of arlopti_jax/aot/shapes.py")
+    d.add_argument("--rows", default="64,256", help="decode rows (prompts x samples)")
+    d.add_argument("--prompt", type=int, default=512)
+    d.add_argument("--response", type=int, default=4096)
+    d.add_argument("--slots", default="", help="cache slots to compile (default prompt + response)")
+    t = sub.add_parser("train", help="one micro-batch's forward and backward")
+    t.add_argument("--target", default="v5e-16")
+    t.add_argument("--shape", default="3b")
+    t.add_argument("--tokens", type=int, default=4544, help="tokens per device (one packed row)")
+    t.add_argument("--prompt", type=int, default=448, help="prompt tokens of the sequence (no vocabulary projection)")
+    t.add_argument("--remat", action="store_true", help="model.remat (the configs' setting; more FLOPs)")
+    return ap.parse_args()
+
+
+def setup():
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from arlopti_jax.aot import targets
+
+    targets.prepare_environment()
+
+
+def spec(shape, dtype, sharding):
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def decode_state(cfg, mesh, rows: int, prompt: int, response: int, slots: int):
+    """The decode loop's carry, abstract, with ``slots`` cache slots, replicated on a 1-device mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.rollout.programs import DecodeState
+
+    from arlopti_jax.rollout.programs import per_layer_cache
+
+    rep = shd.replicated(mesh)
+    layer = (rows, cfg.num_kv_heads, slots, cfg.head_dim)
+    with shd.activate(mesh):
+        listed = per_layer_cache()
+    buffers = lambda: (tuple(spec(layer, cfg.compute_dtype, rep) for _ in range(cfg.num_layers)) if listed
+                       else spec((cfg.num_layers,) + layer, cfg.compute_dtype, rep))
+    cache = {"k": buffers(), "v": buffers()}
+    i32 = lambda *s: spec(s, jnp.int32, rep)
+    return DecodeState(cache=cache, kv_mask=i32(rows, slots), prompt_len=i32(rows), tokens=i32(rows, response),
+                       logprobs=spec((rows, response), jnp.float32, rep), mask=i32(rows, response),
+                       finished=spec((rows,), jnp.bool_, rep), rows=i32(rows), stop_at=i32(rows),
+                       prompt_slots=i32(), step=i32())
+
+
+def min_decode_bytes(cfg, rows: int, live_slots: int) -> float:
+    """Weights once (bfloat16; the tied embedding read once, as the output projection; an untied
+    input embedding only at the rows' tokens) plus the live KV cache once."""
+    weights = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    kv = rows * live_slots * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    return 2.0 * (weights + kv)
+
+
+def decode(args) -> None:
+    setup()
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.aot import hlo, shapes, targets
+    from arlopti_jax.models import ModelConfig, abstract_params
+    from arlopti_jax.rollout import Sampler, SamplingConfig, programs
+
+    cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="bfloat16")
+    sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,))
+    print(f"jax {jax.__version__}; Qwen2.5-{args.shape.upper()} shape ({cfg.num_params() / 1e9:.2f}B), bfloat16, "
+          f"prompt {args.prompt} + response {args.response}; compiler figures (compile-only), not runs\n")
+    for name in args.targets.split(","):
+        target = targets.get(name)
+        mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(target))[:1])
+        rep = shd.replicated(mesh)
+        params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(cfg))
+        sampler = Sampler(cfg, mesh)
+        if sampler._cast is not None:  # the sampler's own weights (per layer on a GPU)
+            with shd.activate(mesh):
+                lowered = sampler._cast.lower(params)
+                params = jax.tree.map(lambda i, sh: spec(i.shape, i.dtype, sh), lowered.out_info,
+                                      lowered.compile().output_shardings)
+        scalars = (spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep), spec((), jnp.float32, rep),
+                   spec((), jnp.float32, rep), spec((8,), jnp.int32, rep))
+        for rows in (int(r) for r in args.rows.split(",")):
+            for slots in [int(s) for s in args.slots.split(",") if s] or [args.prompt + args.response]:
+                state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
+                line = f"{target.name:6s} rows {rows:4d} slots {slots:5d}:"
+                minimum = min_decode_bytes(cfg, rows, slots)
+                with shd.activate(mesh):
+                    one = jax.jit(functools.partial(programs.step, cfg, kernel=sampling.kernel_key, unroll=True),
+                                  donate_argnums=(1,))  # the state is updated in place, as in the decode loop
+                    start = time.perf_counter()
+                    compiled = one.lower(params, state, *scalars).compile()
+                    seconds = time.perf_counter() - start
+                    cost = compiled.cost_analysis() or {}
+                    moved = cost.get("bytes accessed") or hlo.Module(compiled.as_text()).bytes()
+                    line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
+                             f"({moved / minimum:4.2f}x)")
+                    if cost.get("optimal_seconds"):
+                        roof = minimum / target.hbm_bytes_per_s
+                        line += (f"; estimate {cost['optimal_seconds'] * 1e3:6.2f} ms, roofline {roof * 1e3:6.2f} ms "
+                                 f"({roof / cost['optimal_seconds']:.0%})")
+                    if target.platform == "gpu":
+                        line += "; " + gpu_launches(sampler, params, state, scalars, sampling, cfg)
+                print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
+
+
+def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> str:
+    """Launches per layer and per step of the decode loop that runs, from the thunk sequence."""
+    import jax.numpy as jnp
+
+    from arlopti_jax.aot import hlo
+    from arlopti_jax import sharding as shd
+
+    folder = tempfile.mkdtemp(prefix="roofline_")
+    try:
+        compact = spec((), jnp.int32, shd.replicated(sampler.mesh))
+        sampler._decode.lower(params, state, *scalars, compact, kernel=sampling.kernel_key).compile(
+            compiler_options={"xla_dump_to": folder, "xla_dump_hlo_pass_re": "^$"})
+        text = hlo.read_dump(Path(folder), "decode")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    bodies = hlo.while_bodies(hlo.parse_thunks(text))
+    step, layer = hlo.launches(bodies[0]), hlo.launches(bodies[1]) if len(bodies) > 1 else None
+    fmt = lambda x: (f"{x['kernels']} kernels + {x['command_buffers']} command buffers "
+                     f"({x['kernels_in_command_buffers']} kernels in them)")
+    out = f"launches per step outside the layer loop: {fmt(step)}"
+    if layer is not None:
+        out += f"; per layer ({cfg.num_layers}): {fmt(layer)}"
+    return out
+
+
+def train(args) -> None:
+    setup()
+    import jax
+    import numpy as np
+
+    from arlopti_jax import algos
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.algos import packing
+    from arlopti_jax.aot import shapes, targets
+    from arlopti_jax.models import ModelConfig, abstract_params, param_shardings
+    from arlopti_jax.models import policy
+
+    target = targets.get(args.target)
+    mesh = shd.make_mesh({"fsdp": -1}, devices=list(targets.devices(target)))
+    devices = shd.batch_divisor(mesh)
+    cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="float32",
+                                   remat=args.remat, unroll_layers=True)
+    step = algos.make_train_step(cfg, algos.LossConfig(kl_coef=0.0), algos.make_optimizer(algos.OptimConfig()), mesh,
+                                 tokens_per_device=args.tokens, chunk_size=args.tokens)
+    params = jax.tree.map(lambda a, s: spec(a.shape, a.dtype, s), abstract_params(cfg), param_shardings(cfg, mesh))
+    attention = np.ones((devices, args.tokens), np.int32)
+    response = np.zeros_like(attention)
+    response[:, args.prompt:] = 1
+    plan = step.plan({"attention_mask": attention, "response_mask": response}, np.arange(devices))
+    floats = np.zeros(attention.shape, np.float32)
+    host = packing.gather(plan[0], {"input_ids": attention}, {
+        "old_logprobs": floats, "advantages": floats, "loss_mask": response, "response_mask": response,
+        "agg_weight": floats, "target_ids": attention})
+    mb = {k: spec(v.shape, v.dtype, step.row_sharding) for k, v in host.items()}
+    old = policy.DIRECT_LOGITS_BYTES
+    policy.DIRECT_LOGITS_BYTES = 1 << 62  # the vocabulary projection in one piece: a loop-free program
+    try:
+        with shd.activate(mesh):
+            acc = jax.eval_shape(step._zeros, params)
+            acc = jax.tree.map(lambda a, s: spec(a.shape, a.dtype, s), acc, step._zeros.lower(params).compile()
+                               .output_shardings)
+            start = time.perf_counter()
+            compiled = step._accumulate.lower(params, acc, mb).compile()
+            seconds = time.perf_counter() - start
+    finally:
+        policy.DIRECT_LOGITS_BYTES = old
+    cost = compiled.cost_analysis() or {}
+    tokens = args.tokens
+    targets_per_device = tokens - args.prompt
+    d, layers = cfg.hidden_size, cfg.num_layers
+    body = cfg.num_params() - cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+    model = 6 * body * tokens + 6 * cfg.vocab_size * d * targets_per_device  # matmuls: 2 forward + 4 backward
+    model += 6 * layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # causal attention: half of 4 T^2 per head
+    mfu = model / (cost["optimal_seconds"] * target.peak_flops) if cost.get("optimal_seconds") else float("nan")
+    print(f"jax {jax.__version__}; {target.label}; Qwen2.5-{args.shape.upper()} shape, fsdp={devices}, remat "
+          f"{args.remat}; one {tokens}-token sequence per device ({targets_per_device} response targets); compiler "
+          f"figures (compile-only), not a run")
+    print(f"compiled in {seconds:.0f} s; compiler: {cost.get('flops', 0) / 1e12:.1f} TFLOP executed, "
+          f"{cost.get('bytes accessed', 0) / 1e9:.1f} GB, estimate {cost.get('optimal_seconds', 0) * 1e3:.0f} ms; "
+          f"model {model / 1e12:.1f} TFLOP per device -> MFU {mfu:.1%} of {target.peak_flops / 1e12:.0f} TFLOP/s")
+
+
+def main():
+    args = parse_args()
+    {"decode": decode, "train": train}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

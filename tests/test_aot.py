@@ -1,0 +1,146 @@
+"""The compile-only check (``python -m arlopti_jax.aot``): one RL step's programs compiled for a TPU
+slice and an H100 by their own compilers, the compiler's memory against an independent count, and
+the one-line error of a config that cannot fit."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from arlopti_jax.aot import targets
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="the compile-only compilers: pip install -e '.[aot]'")
+pytest.importorskip("libtpu", reason="the compile-only compilers: pip install -e '.[aot]'")
+
+
+def small_config(**overrides):
+    """The embedded default's model with short sequences: every kind of program, quickly."""
+    from arlopti_jax.default_config import get_config
+
+    c = get_config()
+    c.data.max_prompt_length, c.rollout.max_response_length, c.rollout.prompt_bucket = 32, 16, 32
+    c.train.batch_prompts, c.rollout.n, c.train.mini_batch, c.train.micro_batch = 8, 4, 16, 8
+    c.loss.kl_coef = 0.001  # the reference pass too
+    for key, value in overrides.items():
+        group, field = key.split(".")
+        c[group][field] = value
+    return c
+
+
+def test_one_rl_step_compiles_for_a_tpu_slice():
+    """Every kind of program (the length-aware schedule's, the reference log-prob pass) for v5e-8."""
+    from arlopti_jax.aot.check import check
+
+    record = check(small_config(**{"rollout.length_aware": True, "rollout.min_rows": 4, "train.batch_prompts": 32,
+                                   "train.mini_batch": 64}), targets.get("v5e-8"))
+    names = [p["name"] for p in record["programs"]]
+    assert names[:2] == ["prefill", "start"] and any(n.startswith("decode") for n in names)
+    assert any(n.startswith("grow") for n in names) and any(n.startswith("compact") for n in names)
+    assert [n.split()[0] for n in names[-4:]] == ["log-probs", "zeros", "accumulate", "apply"]
+    assert record["fits"] and record["mesh"]["fsdp"] == 8 and record["processes"] == 1
+    for p in record["programs"]:
+        assert p["compile_s"] > 0 and p["peak_bytes_per_device"] >= record["resident_bytes_per_device"]
+    accumulate = next(p for p in record["programs"] if p["name"].startswith("accumulate"))
+    assert accumulate["memory"]["alias"] > 0  # the gradient accumulator is donated
+    assert accumulate["flops"] > 0 and accumulate["hlo_bytes"] > 0  # XLA:TPU's cost analysis, and the HLO's
+    assert accumulate["collectives"]["all-gather"]["count"] > 0  # fsdp gathers the weights
+
+
+def test_one_rl_step_compiles_for_an_h100():
+    """The dense sampler and the update for one H100: no cost analysis from XLA:GPU, so bytes come
+    from the HLO and launches from the thunk sequence."""
+    from arlopti_jax.aot.check import check
+
+    record = check(small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False}), targets.get("h100"))
+    names = [p["name"].split()[0] for p in record["programs"]]
+    assert names == ["prefill", "start", "decode", "zeros", "accumulate", "apply"] and record["fits"]
+    accumulate = next(p for p in record["programs"] if p["name"].startswith("accumulate"))
+    assert accumulate["hlo_bytes"] > 0 and accumulate["flops"] is None and not accumulate["collectives"]
+    decode = next(p for p in record["programs"] if p["name"].startswith("decode"))
+    assert decode["gpu"]["loops"] and decode["gpu"]["loops"][0]["kernels"] + decode["gpu"]["loops"][0][
+        "command_buffers"] > 0, decode["gpu"]
+
+
+def test_compiler_argument_bytes_equal_a_count_of_the_sharded_state():
+    """The optimizer step's arguments on 8 H100s (dense layouts: a TPU pads small dimensions to its
+    (8, 128) tiles) are the parameters, the AdamW moments and the float32 gradient accumulator:
+    4 x 4 bytes per parameter, split 8 ways except the norms and the attention biases (no
+    dimension that fsdp shards), plus a few dozen scalars."""
+    from arlopti_jax.aot.check import check
+    from arlopti_jax.start_point import SCALES, model_config
+
+    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False})
+    record = check(config, targets.get("h100x8"), groups=("update",))
+    cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"])
+    replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * (
+        cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_device = (cfg.num_params() - replicated) / 8 + replicated
+    apply = next(p for p in record["programs"] if p["name"].startswith("apply"))
+    # the parameters, two moments and the gradient accumulator, + scalars: counts, hyperparameters, stats
+    assert 0 <= apply["memory"]["argument"] - 16 * per_device < 256, apply["memory"]
+    assert apply["memory"]["alias"] >= 12 * per_device  # parameters and moments updated in place
+    assert record["resident_bytes_per_device"] - 12 * per_device < 64  # no reference policy
+
+
+def test_a_config_that_cannot_fit_gets_one_line():
+    env = {**os.environ, "XLA_FLAGS": ""}
+    args = ["--config.train.batch_prompts=512", "--config.rollout.n=16", "--config.rollout.max_response_length=8192",
+            "--config.train.mini_batch=8192", "--config.train.micro_batch=8"]
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.aot", "--target=v5e-8", *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in proc.stderr.strip().splitlines() if line]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: v5e-8: "), proc.stderr[-3000:]
+    assert "GiB" in lines[0] and "rollout" in lines[0] and "max_response_length" in lines[0]
+
+
+def test_an_unknown_target_or_a_layout_the_slice_cannot_hold_is_one_line():
+    env = {**os.environ, "XLA_FLAGS": ""}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "arlopti_jax.aot", *args], capture_output=True,
+                                       text=True, env=env, timeout=600)
+    unknown = run("--target=v9-1")
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+        f"error: --target=v9-1: unknown; targets are {', '.join(targets.TARGETS)}"]
+    # tensor parallelism across v5e-16's hosts (4 chips each): no process holds whole batch rows
+    across = run("--target=v5e-16", "--config.mesh.fsdp=2", "--config.mesh.tensor=8", "--config.train.micro_batch=2")
+    lines = across.stderr.strip().splitlines()
+    assert across.returncode == 2 and len(lines) == 1 and "config.mesh" in lines[0], across.stderr[-2000:]
+
+
+def test_hlo_bytes_count_slices_and_in_place_updates():
+    """The byte model on a hand-written module: a fusion reading one row of a matrix through a
+    dynamic slice costs the row; an in-place dynamic-update-slice costs the update."""
+    from arlopti_jax.aot import hlo
+
+    text = """HloModule m
+
+%fused_slice (p0: f32[64,256], p1: s32[]) -> f32[1,256] {
+  %p0 = f32[64,256]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[1,256]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={1,256}
+}
+
+%fused_update (q0: f32[64,256], q1: f32[1,256], q2: s32[]) -> f32[64,256] {
+  %q0 = f32[64,256]{1,0} parameter(0)
+  %q1 = f32[1,256]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[64,256]{1,0} dynamic-update-slice(%q0, %q1, %q2, %z)
+}
+
+ENTRY %main (a: f32[64,256], i: s32[]) -> f32[64,256] {
+  %a = f32[64,256]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %row = f32[1,256]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_slice
+  ROOT %out = f32[64,256]{1,0} fusion(%a, %row, %i), kind=kLoop, calls=%fused_update
+}
+"""
+    module = hlo.Module(text)
+    row = 256 * 4
+    # slice: reads the row + the index, writes the row; update: reads the row + index, writes the row
+    assert module.bytes() == (row + 4 + row) + (row + 4 + row)
+    assert hlo.shape_bytes("(bf16[2,3]{1,0}, s32[])") == 2 * 6 + 4
+    assert np.isclose(hlo.shape_bytes("pred[10]"), 10)
