@@ -23,15 +23,15 @@ def mean_se(values) -> tuple[float | None, float | None, int]:
     return (float(x.mean()) if len(x) else None), se, len(x)
 
 
-def cell(stats, digits: int = 3, paired: bool = False) -> str:
+def cell(stats, form: str = ".3f", paired: bool = False) -> str:
     """``mean ± se`` (a paired difference: ``+mean (se)``); ``mean (n=1)`` for one value."""
     mean, se, n = stats
     if n == 0:
         return "-"
     sign = "+" if paired else ""
     if n == 1:
-        return f"{mean:{sign}.{digits}f} (n=1)"
-    return f"{mean:{sign}.{digits}f} ({se:.{digits}f})" if paired else f"{mean:.{digits}f} ± {se:.{digits}f}"
+        return f"{mean:{sign}{form}} (n=1)"
+    return f"{mean:{sign}{form}} ({se:{form}})" if paired else f"{mean:{form}} ± {se:{form}}"
 
 
 def methods_of(results: dict) -> list[str]:
@@ -72,6 +72,8 @@ def paired_table(results: dict) -> str:
     """Each method minus GRPO on the same seed, over the seeds both finished."""
     cols = metrics(results)
     base = finals(results, BASELINE)
+    if not base:
+        return "(no finished GRPO run: no paired differences)"
     lines = ["| method - GRPO | seeds | " + " | ".join(c for c, _ in cols) + " |", "|---" * (len(cols) + 2) + "|"]
     for m in methods_of(results):
         if m == BASELINE:
@@ -97,9 +99,10 @@ def quartile_table(results: dict) -> str:
         norms = quartile_norms(results, m)
         if not len(norms):
             continue
-        cells = [cell(mean_se(norms[:, q]), 4) for q in range(4)]
-        ratio = cell(mean_se(norms[:, 0] / norms[:, 3]), 1)
-        share = cell(mean_se(norms[:, 0] / norms.sum(1)), 3)
+        cells = [cell(mean_se(norms[:, q]), ".3g") for q in range(4)]  # norms span decades
+        live = norms[:, 3] > 0  # a batch whose advantages are all 0 has no gradient, and no ratio
+        ratio = cell(mean_se(norms[live, 0] / norms[live, 3]), ".1f")
+        share = cell(mean_se(norms[live, 0] / norms[live].sum(1)))
         lines.append(f"| {VARIANTS[m][0]} | {len(norms)} | " + " | ".join(cells) + f" | {ratio} | {share} |")
     return "\n".join(lines)
 

@@ -147,8 +147,10 @@ def test_report_means_standard_errors_and_paired_differences_match_numpy(tmp_pat
     quart = table_rows(quartile_table(results))
     per_run = norms["grpo_lopti"].mean(axis=1)  # mean over each run's logged steps
     ratio = per_run[:, 0] / per_run[:, 3]
-    assert quart["GRPO + Lopti"][1] == f"{per_run[:, 0].mean():.4f} ± {per_run[:, 0].std(ddof=1) / math.sqrt(5):.4f}"
+    assert quart["GRPO + Lopti"][1] == f"{per_run[:, 0].mean():.3g} ± {per_run[:, 0].std(ddof=1) / math.sqrt(5):.3g}"
     assert quart["GRPO + Lopti"][5] == f"{ratio.mean():.1f} ± {ratio.std(ddof=1) / math.sqrt(5):.1f}"
+    share = per_run[:, 0] / per_run.sum(1)
+    assert quart["GRPO + Lopti"][6] == f"{share.mean():.3f} ± {share.std(ddof=1) / math.sqrt(5):.3f}"
     report = write_matched_report(results, {"runs": {}}, tmp_path, "reproduce --matched").read_text()
     assert "Every run made 4 optimizer steps per RL step (" in report and "NOT MATCHED" not in report
     assert "never the test set" in report and "## Gradient norm per pi_old quartile" in report
