@@ -2,6 +2,8 @@
 # The GPU measurements of docs/benchmarks.md, in the groups one lease runs per command.
 #
 #   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
+#   bash bench/gpu.sh calibrate   # issue 32: decode ms per step and train MFU at the compiled shapes, to set
+#                                 # beside the compile-only figures of docs/benchmarks.md (same card, same shapes)
 #   bash bench/gpu.sh decode      # sampler compile time; train-step MFU; cuDNN probe
 #   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
@@ -49,15 +51,26 @@ case "${1:-}" in
   setup) setup ;;
   decode)
     setup
-    # every sampler program at 1.5B (the length-aware one timed out at 150 s on the first lease), then
+    # every program of a 3B RL step (8 prompts) compiled for this GPU (the sampler alone timed out at 150 s
+    # at 1.5B on the first lease, before its layer loop), then
     # again from the persistent cache
-    run compile_1.5b 150 bench/compile_time.py --shapes 1.5b --devices 1 --prompts 8 --only sampler --cache-dir /tmp/cc
-    run compile_1.5b_cached 60 bench/compile_time.py --shapes 1.5b --devices 1 --prompts 8 --only sampler --cache-dir /tmp/cc
+    run compile_3b 150 -m arlopti_jax.aot --config=configs/kk.py:3b,grpo_ar_lopti --target=local \
+      --config.train.batch_prompts=8 --config.compile_cache_dir=/tmp/cc
+    run compile_3b_cached 60 -m arlopti_jax.aot --config=configs/kk.py:3b,grpo_ar_lopti --target=local \
+      --config.train.batch_prompts=8 --config.compile_cache_dir=/tmp/cc
     run attention_probe 90 bench/attention_probe.py --rows 4 --tokens 4096 --segments 4
     run train_step_1.5b 130 bench/train_step.py --shape 1.5b --batch 32 --seq 1024 --micro 4 --steps 3 \
       --dtype bfloat16 --remat --skip-rollout-batch
     run train_step_0.5b 100 bench/train_step.py --shape 0.5b --batch 32 --seq 1024 --micro 4 --steps 3 \
       --dtype bfloat16 --skip-rollout-batch
+    ;;
+  calibrate)
+    setup
+    # the decode step compiled for this GPU, timed, beside its compiler bytes and the minimum-bytes roofline
+    run calibrate_decode 300 bench/roofline.py decode --targets local --run --rows 64,256
+    # train MFU at the 1.5B shape (the measured counterpart of bench/roofline.py train's compiler figures)
+    run calibrate_train 200 bench/train_step.py --shape 1.5b --batch 16 --seq 4608 --micro 1 --steps 3 \
+      --dtype bfloat16 --remat --skip-rollout-batch
     ;;
   rlstep)
     setup
@@ -100,5 +113,5 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh {setup|calibrate|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
 esac

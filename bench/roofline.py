@@ -3,6 +3,7 @@
     python bench/roofline.py decode                       # 1.5B, rows 64 and 256, prompt 512 + 4096, h100 and v5e-1
     python bench/roofline.py decode --targets h100 --rows 64 --slots 1536,2560,4608
     python bench/roofline.py train --target v5e-16 --shape 3b
+    python bench/roofline.py decode --targets local --run  # on a lent GPU: also time the step (bench/gpu.sh calibrate)
 
 Everything here is compiled by the target's own compiler in compile-only mode
 (``arlopti_jax.aot``): compiler figures, not runs.
@@ -53,6 +54,7 @@ def parse_args():
     d.add_argument("--prompt", type=int, default=512)
     d.add_argument("--response", type=int, default=4096)
     d.add_argument("--slots", default="", help="cache slots to compile (default prompt + response)")
+    d.add_argument("--run", action="store_true", help="--targets local: also run and time the step (ms per step)")
     t = sub.add_parser("train", help="one micro-batch's forward and backward")
     t.add_argument("--target", default="v5e-16")
     t.add_argument("--shape", default="3b")
@@ -155,7 +157,34 @@ def decode(args) -> None:
                                  f"({roof / cost['optimal_seconds']:.0%})")
                     if target.platform == "gpu":
                         line += "; " + gpu_launches(sampler, params, state, scalars, sampling, cfg)
+                    if args.run and target.name == "local":
+                        ms = time_step(compiled, params, state, scalars)
+                        peak = dict(H200=4.8e12, H100=3.35e12, A100=2.0e12)
+                        bw = next((v for k, v in peak.items() if k in target.topology), 0.0)
+                        line += f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the compiler's bytes"
+                        line += f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: {minimum / bw * 1e3 / ms:.0%})" \
+                            if bw else ")"
                 print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
+
+
+def time_step(compiled, params, state, scalars, steps: int = 20) -> float:
+    """Milliseconds per call of the compiled decode step on this machine's device, its state
+    threaded through (donated), on zero-filled weights and cache (the cost does not depend on
+    the values)."""
+    import jax
+    import jax.numpy as jnp
+
+    real = lambda tree: jax.tree.map(lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding), tree)
+    params, state = real(params), real(state)
+    key = jax.device_put(jax.random.key(0), scalars[0].sharding)
+    rest = real(scalars[1:])
+    state = compiled(params, state, key, *rest)  # warm up
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state = compiled(params, state, key, *rest)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - start) / steps * 1e3
 
 
 def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> str:
@@ -206,7 +235,8 @@ def train(args) -> None:
     attention = np.ones((devices, args.tokens), np.int32)
     response = np.zeros_like(attention)
     response[:, args.prompt:] = 1
-    plan = step.plan({"attention_mask": attention, "response_mask": response}, np.arange(devices))
+    plan = step.plan({"attention_mask": attention, "response_mask": response, "input_ids": attention},
+                     np.arange(devices))
     floats = np.zeros(attention.shape, np.float32)
     host = packing.gather(plan[0], {"input_ids": attention}, {
         "old_logprobs": floats, "advantages": floats, "loss_mask": response, "response_mask": response,

@@ -3,19 +3,25 @@
     from shapes import SHAPES, model_config, hf_model
     cfg = model_config("3b", layers=2)          # real widths, fewer layers (CPU)
 
-Dimensions are Qwen2.5's config.json values: hidden, intermediate, layers, attention heads,
-kv heads, vocabulary 151936, tied input/output embeddings for 0.5B-3B, untied for 7B.
+The Qwen2.5 sizes are ``arlopti_jax.aot.shapes.QWEN25`` (their config.json values: hidden,
+intermediate, layers, attention heads, kv heads, vocabulary 151936 up to 3B and 152064 for 7B,
+tied input/output embeddings for 0.5B-3B, untied for 7B); ``tiny`` is a small model of the same
+architecture for quick runs.
 """
 
 from __future__ import annotations
 
-SHAPES = {
-    "tiny": dict(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=8192, tied=True),
-    "0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True),
-    "1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, vocab=151936, tied=True),
-    "3b": dict(hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=151936, tied=True),
-    "7b": dict(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=151936, tied=False),
-}
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arlopti_jax.aot.shapes import QWEN25  # noqa: E402
+
+SHAPES = {"tiny": dict(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=8192, tied=True)}
+SHAPES.update({name: dict(hidden=q["hidden_size"], intermediate=q["intermediate_size"], layers=q["num_hidden_layers"],
+                          heads=q["num_attention_heads"], kv_heads=q["num_key_value_heads"], vocab=q["vocab_size"],
+                          tied=q["tie_word_embeddings"]) for name, q in QWEN25.items()})
 DIM_FLAGS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab")
 
 

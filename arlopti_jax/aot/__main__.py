@@ -18,8 +18,10 @@ fits every target, 1 when a target's peak is over its memory (one line each: whi
 much, what to change), 2 on a bad command line or config. Every figure is the compiler's, for
 the real target, not a measurement of a run.
 
-Targets: v5e-8, v5e-16, v5e-256, v5p-8, v5p-64, v4-32 (multi-host slices as their pods run them:
-one process per host), h100, h100x8 (one node). Needs ``pip install -e ".[aot]"``.
+Targets: v5e-1, v5e-8, v5e-16, v5e-256, v5p-8, v5p-64, v4-32 (multi-host slices as their pods run
+them: one process per host), h100, h100x8 (one node), and ``local``: this machine's own devices
+(the CPU, or a lent GPU), compiled through the persistent compilation cache. Needs
+``pip install -e ".[aot]"``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from arlopti_jax.config import DEFAULT_CONFIG, ConfigError  # noqa: E402
 
 COMMAND = Command(
     name="arlopti_jax.aot", doc=__doc__, default_file=DEFAULT_CONFIG,
-    flags=(("--target=NAME[,NAME...]", f"compile-only targets: {', '.join(targets.TARGETS)}"),
+    flags=(("--target=NAME[,NAME...]", f"compile-only targets: {', '.join(targets.TARGETS)}; or local (this "
+            "machine's devices: compile times here, through the persistent compilation cache)"),
            ("--json=PATH", "also write the records (one per target) as JSON"),
            ("--eval", "also compile the evaluation's sampler programs (greedy and sampled)"),
            ("--verbose", "a line per program as it compiles")),

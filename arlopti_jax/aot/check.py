@@ -101,6 +101,7 @@ def worst_case_micro_batch(run: run_setup.Run) -> tuple[dict, dict, list]:
     response = np.zeros_like(attention)
     response[:, width:] = 1
     ids = np.zeros_like(attention)
+    ids[:, :width] = 1 + np.arange(rows)[:, None] // c.rollout.n  # a prompt per group of n, as sampled
     order = np.arange(rows)
     plan = run.train_step.plan({"attention_mask": attention, "response_mask": response, "input_ids": ids}, order)
     floats = np.zeros(attention.shape, np.float32)
@@ -222,7 +223,9 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     compiler.resident_leaves = {id(x) for x in jax.tree.leaves((params, opt_state))}
     started = time.perf_counter()
     c = config
-    persistent_cache(False)  # executables of compile-only devices cannot be serialized into it
+    compile_only = target.name != "local"
+    if compile_only:
+        persistent_cache(False)  # executables of compile-only devices cannot be serialized into it
     try:
         compiler.group = "rollout"
         if "rollout" in groups:
@@ -249,7 +252,8 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
                 compiler("apply (clip + AdamW)", step._apply, params, opt_state, acc,
                          abstract((), jnp.float32, shd.replicated(mesh)))
     finally:
-        persistent_cache(True)
+        if compile_only:
+            persistent_cache(True)
         if dump is not None:
             shutil.rmtree(dump, ignore_errors=True)
     return report(config, target, run, compiler.programs, resident, time.perf_counter() - started, source, plan)

@@ -77,11 +77,29 @@ class TargetError(RuntimeError):
     """The compiler for a target is missing (one line: what to install)."""
 
 
+def local() -> Target:
+    """This machine's own devices (``--target=local``): the programs compile for what ``train``
+    would run here, through the persistent compilation cache, and can be timed here."""
+    import os
+
+    import jax
+
+    found = jax.local_devices()
+    stats = getattr(found[0], "memory_stats", lambda: None)() or {}
+    memory = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Target("local", platform=found[0].platform, topology=found[0].device_kind, hosts=1, chips=len(found),
+                  hbm_bytes=int(memory), hbm_bytes_per_s=0.0, peak_flops=0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def devices(target: Target) -> tuple:
-    """The target's compile-only devices, in the topology's order."""
+    """The target's compile-only devices, in the topology's order (``local``: this machine's)."""
     from jax.experimental import topologies
 
+    if target.name == "local":
+        import jax
+
+        return tuple(jax.local_devices())
     prepare_environment()
     try:
         if target.platform == "tpu":
@@ -104,6 +122,8 @@ def devices(target: Target) -> tuple:
 
 
 def get(name: str) -> Target:
+    if name == "local":
+        return local()
     if name not in TARGETS:
-        raise TargetError(f"--target={name}: unknown; targets are {', '.join(TARGETS)}")
+        raise TargetError(f"--target={name}: unknown; targets are {', '.join(TARGETS)}, local")
     return TARGETS[name]

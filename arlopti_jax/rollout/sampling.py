@@ -45,7 +45,7 @@ class SamplingConfig:
     phase_tokens      response slots of the first phase (length_aware); each next phase
                       doubles them, up to max_response_len. 0: max_response_len / 4, rounded
                       up to a power of two (three phases: each phase is one more compiled
-                      decode loop per row count; bench/compile_time.py).
+                      decode loop per row count; python -m arlopti_jax.aot lists them).
     min_rows          rows per device below which the batch is not compacted further
                       (length_aware): on accelerators a decode step over fewer rows costs
                       about the same, and every row count is one more compiled decode loop per phase.

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The paper's configs compiled for the pods and nodes they are meant for (issue 32's targets), with
+# python -m arlopti_jax.aot: one JSON record and one log per (config, target) in $OUT (default
+# docs/aot). Compiler figures for the targets, not runs. Records already in $OUT are kept (delete one
+# to redo it).
+#
+#   bash bench/aot_configs.sh            # all of them (about an hour on 2 cores)
+#   ONLY="kk3b_v5p-8 math_v5p-8" bash bench/aot_configs.sh
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT="${OUT:-docs/aot}"
+PY="${PYTHON:-.venv/bin/python}"
+mkdir -p "$OUT"
+
+compile() {  # compile NAME TARGET CONFIG [OVERRIDES...]
+  local name=$1 target=$2
+  shift 2
+  if [[ -n "${ONLY:-}" && " $ONLY " != *" ${name}_$target "* ]]; then return; fi
+  if [[ -f "$OUT/${name}_$target.json" ]]; then return; fi
+  echo "=== ${name}_$target: $*"
+  "$PY" -m arlopti_jax.aot --target="$target" --json="$OUT/${name}_$target.json" "$@" >"$OUT/${name}_$target.log" 2>&1
+  echo "=== exit $?: $(tail -n 2 "$OUT/${name}_$target.log" | head -n 1)"
+}
+
+for model in 3b 7b; do
+  compile "kk$model" v5p-8 "--config=configs/layouts/v5p8.py:$model,grpo_ar_lopti"
+  compile "kk$model" v5e-16 "--config=configs/layouts/v5e16.py:$model,grpo_ar_lopti"
+  compile "kk$model" h100x8 "--config=configs/layouts/gpu8x80.py:$model,grpo_ar_lopti"
+  # v5p-64 (32 chips on 8 hosts): fsdp over all of them, one sequence per chip per micro-batch
+  compile "kk$model" v5p-64 "--config=configs/kk.py:$model,grpo_ar_lopti" --config.mesh.fsdp=-1 \
+    --config.train.micro_batch=32
+done
+compile math v5p-8 "--config=configs/math.py:grpo_ar_lopti"
