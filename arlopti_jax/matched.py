@@ -113,6 +113,8 @@ class MatchedSweep(Sweep):
         self.optimizer_steps, self.lrs, self.test, self.val_prompts = optimizer_steps, lrs, test, val_prompts
         self.command = command
         self.data: tuple[str, str] | None = None
+        # SmolLM2's state is 1.4 GB a run: 88 runs would not fit; a finished run's record suffices
+        self.drop_checkpoints = True
 
     def start_point(self) -> Path:
         folder = super().start_point()

@@ -220,6 +220,7 @@ class Sweep:
         self.start_point_dir = start_point_dir or out / "start_point"
         self.eval_prompts, self.sizes, self.diagnostics_every = eval_prompts, sizes, diagnostics_every
         self.scale, self.worker = scale, worker
+        self.drop_checkpoints = False  # a finished run's checkpoints are deleted once it is recorded
         self.results_path = out / "results.json"
         self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {"runs": {}}
         if self.results["runs"] and self.results.get("scale", "cpu") != scale:
@@ -308,6 +309,8 @@ class Sweep:
             self.save()
             if summary["preempted"]:
                 raise SystemExit(f"{name} was stopped; run the same command again to resume")
+            if self.drop_checkpoints:
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             bar.update(self.steps)
         bar.close()
         if self.worker is None:

@@ -178,6 +178,8 @@ def test_quick_matched_protocol_end_to_end_and_a_cell_reproduced_from_its_record
         assert run["finished"] and run["optimizer_steps_per_rl_step"] == 4, name
         assert run["lr"] == results["matched"]["lr"][run["variant"]]
         assert any(k.startswith("eval/test_") for k in run["evals"][-1]) and run["quartile_grad_norms"]
+        run_dir = out / "runs" / name
+        assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "checkpoints").exists()  # 1.4 GB on SmolLM2
     report = (out / "matched.md").read_text()
     assert "## Learning rates chosen on validation" in report and "80/20" in report
     # a cell from its record alone: the same evaluation
