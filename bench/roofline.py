@@ -151,10 +151,12 @@ def decode(args) -> None:
                     moved = cost.get("bytes accessed") or hlo.Module(compiled.as_text()).bytes()
                     line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
                              f"({moved / minimum:4.2f}x)")
-                    if cost.get("optimal_seconds"):
+                    if "optimal_seconds" in cost:
                         roof = minimum / target.hbm_bytes_per_s
-                        line += (f"; estimate {cost['optimal_seconds'] * 1e3:6.2f} ms, roofline {roof * 1e3:6.2f} ms "
-                                 f"({roof / cost['optimal_seconds']:.0%})")
+                        line += f"; estimate {cost['optimal_seconds'] * 1e3:6.2f} ms, roofline {roof * 1e3:6.2f} ms"
+                        line += (f" ({roof / cost['optimal_seconds']:.0%})" if cost["optimal_seconds"] > 0 else
+                                 " (the estimate is negative: unusable)")
+                        line += "; " + one_layer(cfg, mesh, rows, args, slots, sampling, target)
                     if target.platform == "gpu":
                         line += "; " + gpu_launches(sampler, params, state, scalars, sampling, cfg)
                     if args.run and target.name == "local":
@@ -165,6 +167,35 @@ def decode(args) -> None:
                         line += f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: {minimum / bw * 1e3 / ms:.0%})" \
                             if bw else ")"
                 print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
+
+
+def one_layer(cfg, mesh, rows: int, args, slots: int, sampling, target) -> str:
+    """The same step for a one-layer model of the same widths: XLA:TPU's estimate is negative for
+    any program of two layers or more (seen at every size tried), positive for one."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.models import abstract_params
+    from arlopti_jax.rollout import programs
+
+    one = dataclasses.replace(cfg, num_layers=1)
+    rep = shd.replicated(mesh)
+    params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(one))
+    state = decode_state(one, mesh, rows, args.prompt, args.response, slots)
+    scalars = (spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep), spec((), jnp.float32, rep),
+               spec((), jnp.float32, rep), spec((8,), jnp.int32, rep))
+    with shd.activate(mesh):
+        step = jax.jit(functools.partial(programs.step, one, kernel=sampling.kernel_key, unroll=True),
+                       donate_argnums=(1,))
+        cost = step.lower(params, state, *scalars).compile().cost_analysis() or {}
+    minimum = min_decode_bytes(one, rows, slots)
+    estimate, roof = cost.get("optimal_seconds", 0.0), minimum / target.hbm_bytes_per_s
+    return (f"one layer: {cost.get('bytes accessed', 0) / 1e9:.2f} GB against {minimum / 1e9:.2f} GB, estimate "
+            f"{estimate * 1e3:.2f} ms against the roofline's {roof * 1e3:.2f} ms ({roof / estimate:.0%})"
+            if estimate > 0 else "one layer: no positive estimate either")
 
 
 def time_step(compiled, params, state, scalars, steps: int = 20) -> float:

@@ -82,28 +82,27 @@ def format_record(record: dict) -> str:
 def main(argv) -> int:
     from absl import flags
 
-    from arlopti_jax.aot.check import DoesNotFit, check, does_not_fit_line
+    from arlopti_jax.aot.check import DoesNotFit, check, does_not_fit_line, prepare
 
     config = flags.FLAGS.config
     names = [t for t in flags.FLAGS.target.split(",") if t]
-    try:
+    try:  # start-up: every target's compiler, the config on its mesh, the model's shape
         if not names:
-            raise targets.TargetError(f"--target is required: one or more of {', '.join(targets.TARGETS)}")
+            raise targets.TargetError(f"--target is required: one or more of {', '.join(targets.TARGETS)}, local")
         chosen = [targets.get(name) for name in names]
         for target in chosen:
-            targets.devices(target)  # the compiler is installed
+            prepare(config, target)
     except targets.TargetError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"error: {target.name}: {err}", file=sys.stderr)
         return 2
     startup_done(COMMAND.name)
     records, status = [], 0
     for target in chosen:
         try:
             record = check(config, target, verbose=flags.FLAGS.verbose, eval_programs=flags.FLAGS.eval)
-        except (ConfigError, FileNotFoundError, ValueError) as err:
-            print(f"error: {target.name}: {err}", file=sys.stderr)
-            status = max(status, 2)
-            continue
         except DoesNotFit as err:
             print(f"error: {err}", file=sys.stderr)
             status = max(status, 1)

@@ -202,10 +202,10 @@ def model_shape(config) -> tuple:
 GROUPS = ("rollout", "logprobs", "update")
 
 
-def check(config, target: Target, *, verbose: bool = False, eval_programs: bool = False,
-          groups: tuple[str, ...] = GROUPS) -> dict:
-    """Compile one RL step of ``config`` for ``target`` (the programs of ``groups``): the JSON
-    record (module docstring)."""
+def prepare(config, target: Target):
+    """(mesh, model shape) of ``config`` on ``target``: the config validated for its device count,
+    the layout for its hosts (ConfigError: tensor parallelism across hosts, a batch the processes do
+    not divide), the model's shape found (FileNotFoundError)."""
     from arlopti_jax import distributed as dist
     from arlopti_jax.config import validate
 
@@ -213,7 +213,14 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     validate(config, len(devices))
     mesh = run_setup.make_mesh(config, devices=list(devices))
     dist.validate(config, mesh)
-    model_cfg, eos, pad, source = model_shape(config)
+    return mesh, model_shape(config)
+
+
+def check(config, target: Target, *, verbose: bool = False, eval_programs: bool = False,
+          groups: tuple[str, ...] = GROUPS) -> dict:
+    """Compile one RL step of ``config`` for ``target`` (the programs of ``groups``): the JSON
+    record (module docstring)."""
+    mesh, (model_cfg, eos, pad, source) = prepare(config, target)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=eos, pad_id=pad,
                              total_steps=max(1, config.train.max_steps))
     params, opt_state = run.state["params"], run.state["opt_state"]
