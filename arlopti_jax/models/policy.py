@@ -21,10 +21,14 @@ Array = jax.Array
 
 @functools.lru_cache(maxsize=32)
 def _abstract_boxed(cfg: ModelConfig):
-    toks = jnp.zeros((1, 1), jnp.int32)
     model = Decoder(cfg)
+
+    def init():  # every array traced, none made: the active mesh may be a compile-only one (aot)
+        toks = jnp.zeros((1, 1), jnp.int32)
+        return model.init(jax.random.key(0), toks, toks, toks)
+
     with nn.logical_axis_rules(()):  # shapes only: activation constraints off, whatever mesh is active
-        return jax.eval_shape(lambda: model.init(jax.random.key(0), toks, toks, toks))["params"]
+        return jax.eval_shape(init)["params"]
 
 
 def abstract_params(cfg: ModelConfig):
