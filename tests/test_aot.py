@@ -33,8 +33,8 @@ def test_one_rl_step_compiles_for_a_tpu_slice():
     """Every kind of program (the length-aware schedule's, the reference log-prob pass) for v5e-8."""
     from arlopti_jax.aot.check import check
 
-    record = check(small_config(**{"rollout.length_aware": True, "rollout.min_rows": 4, "train.batch_prompts": 32,
-                                   "train.mini_batch": 64}), targets.get("v5e-8"))
+    record = check(small_config(**{"rollout.length_aware": True, "rollout.min_rows": 4, "rollout.phase_tokens": 8,
+                                   "train.batch_prompts": 16, "train.mini_batch": 32}), targets.get("v5e-8"))
     names = [p["name"] for p in record["programs"]]
     assert names[:2] == ["prefill", "start"] and any(n.startswith("decode") for n in names)
     assert any(n.startswith("grow") for n in names) and any(n.startswith("compact") for n in names)
