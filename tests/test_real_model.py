@@ -177,7 +177,8 @@ def test_converter_command_and_its_errors(tmp_path):
                           ([str(tmp_path / "missing.gguf"), str(tmp_path / "o")], "no such file"),
                           (["--package", "no-such-package-here", str(tmp_path / "o")], "is not installed")):
         proc = subprocess.run([sys.executable, "-m", "arlopti_jax.models.gguf", *args], capture_output=True, text=True,
-                              env={**os.environ, "PIP_NO_INDEX": "1"})  # the missing package: pip finds nothing
+                              env={**os.environ, "PIP_NO_INDEX": "1",  # the missing package: pip finds nothing
+                                   "ARLOPTI_PACKAGE_CACHE": str(tmp_path / "cache")})
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
