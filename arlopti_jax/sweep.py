@@ -224,7 +224,7 @@ class Sweep:
         self.results_path = out / "results.json"
         self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {"runs": {}}
         if self.results["runs"] and self.results.get("scale", "cpu") != scale:
-            raise SystemExit(f"{self.results_path} holds runs of scale {self.results.get('scale', 'cpu')!r}, "
+            raise SystemExit(f"error: {self.results_path} holds runs of scale {self.results.get('scale', 'cpu')!r}, "
                              f"not {scale!r}: use another output folder")
         self.results.update(steps=steps, variants=variants, seeds=seeds, eval_prompts=eval_prompts,
                             diagnostics_every=diagnostics_every, scale=scale)
