@@ -35,7 +35,8 @@ HAZARDS = {  # measured past 10 s, or refused for the reason given
 }
 ORDINARY = ("\\frac{12!}{2^6}", "\\left( \\frac{k+1}{k} \\right)^k", "(-1)^{n-1}", "e^{-2x^2}", "2^{1000}",
             "\\begin{pmatrix} -5 & -2 \\\\ -8 & 0 \\end{pmatrix}", "(x+1)^{8}", "\\binom{3000}{5}", "450",
-            "x_{10}^{2}", "\\sqrt[3]{2}", "\\{1,2,3\\}", "10^{999}", "0.000001", "3\\pi/4", "\\infty")
+            "x_{10}^{2}", "\\sqrt[3]{2}", "\\{1,2,3\\}", "10^{999}", "0.000001", "3\\pi/4", "\\infty",
+            "[0,1) \\cup ((2,3] \\cup ((4,5] \\cup (6,7)))")
 
 
 def public_truths() -> list[str]:

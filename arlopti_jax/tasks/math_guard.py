@@ -103,8 +103,8 @@ def _groups(tokens: list[str]) -> list:
             group = [t]
             stack[-1].append(group)
             stack.append(group)
-        elif t in _CLOSE and len(stack) > 1 and _OPEN[stack[-1][0]] == t:
-            stack.pop().append(t)
+        elif t in _CLOSE and len(stack) > 1 and (_OPEN[stack[-1][0]] == t or {stack[-1][0], t} <= set("([])")):
+            stack.pop().append(t)  # ( and [ close each other: half-open intervals, [0, 1)
         else:
             stack[-1].append(t)
     return root
