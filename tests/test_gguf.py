@@ -122,12 +122,12 @@ def test_cut_and_damaged_files_give_one_line(files, tmp_path, capsys):
     source = files["qwen2"][0].read_bytes()
     bad = tmp_path / "bad.gguf"
     rng = np.random.default_rng(1)
-    cuts = sorted({150, 0, 3, 24, len(source) // 2, len(source) - 1, *rng.integers(1, len(source), 24).tolist()})
+    cuts = sorted({150, 0, 3, 24, len(source) // 2, len(source) - 1, *rng.integers(1, len(source), 14).tolist()})
     for n in cuts:
         bad.write_bytes(source[:n])
         assert "not a readable GGUF file" in _errors([str(bad), str(tmp_path / "out")], capsys), n
     damaged = 0
-    for pos in rng.integers(0, 20000, 80).tolist():  # one byte flipped in the header and metadata
+    for pos in rng.integers(0, 20000, 50).tolist():  # one byte flipped in the header and metadata
         bad.write_bytes(source[:pos] + bytes([source[pos] ^ 0xFF]) + source[pos + 1:])
         if main([str(bad), str(tmp_path / "out")]) == 2:
             err = capsys.readouterr().err.strip().splitlines()
@@ -135,7 +135,7 @@ def test_cut_and_damaged_files_give_one_line(files, tmp_path, capsys):
             damaged += 1
         else:
             capsys.readouterr()
-    assert damaged > 15  # most flips break something; the rest (a weight's bits) convert
+    assert damaged > 10  # most flips break something; the rest (a weight's bits) convert
     assert not (tmp_path / "out.partial").exists()
 
 
@@ -277,8 +277,6 @@ def test_a_skipped_real_model_test_fails_under_ci(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-c", os.devnull,
            "--rootdir", str(tmp_path), str(tmp_path / "test_skips.py")]
-    local = subprocess.run(cmd, capture_output=True, text=True, env={**env, "CI": "false"})
     ci = subprocess.run(cmd, capture_output=True, text=True, env={**env, "CI": "true"})
-    assert local.returncode == 0 and "2 skipped" in local.stdout, local.stdout
     assert ci.returncode == 1 and "1 failed, 1 skipped" in ci.stdout and "skipped under CI=true" in ci.stdout, \
-        ci.stdout
+        ci.stdout  # (without CI=true both skip: every other test session of this suite)

@@ -64,18 +64,20 @@ def test_reproduce_pretrained_scale_checks_its_package_and_file(tmp_path, monkey
     assert not (tmp_path / "c").exists()  # nothing was built
 
 
-def test_converter_startup_check_reads_no_weights_and_writes_nothing(tmp_path):
+def test_converter_startup_check_reads_no_weights_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from arlopti_jax.models import gguf
+
     whole = tmp_path / "m.gguf"
     write_gguf(whole, "qwen2")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(whole.read_bytes()[:150])
-    env = {**os.environ, STARTUP_CHECK_ENV: "1"}
-    run = lambda src: subprocess.run([sys.executable, "-m", "arlopti_jax.models.gguf", str(src), str(tmp_path / "o")],
-                                     capture_output=True, text=True, env=env)
-    bad = run(cut)
-    assert bad.returncode == 2 and "cut short or damaged" in _one_error_line(bad.stderr)
-    good = run(whole)
-    assert good.returncode == 0 and "start-up check passed" in good.stdout, good.stderr
+    monkeypatch.setenv(STARTUP_CHECK_ENV, "1")
+    assert gguf.main([str(cut), str(tmp_path / "o")]) == 2
+    assert "cut short or damaged" in _one_error_line(capsys.readouterr().err)
+    monkeypatch.setattr(gguf, "read_tensors", lambda *a: pytest.fail("the start-up read the weights"))
+    with pytest.raises(SystemExit) as stop:
+        gguf.main([str(whole), str(tmp_path / "o")])
+    assert stop.value.code == 0 and "start-up check passed" in capsys.readouterr().out
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
