@@ -147,50 +147,71 @@ CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "head_dim")
 
 def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, cache: dict, layer: Array,
                      cache_index) -> tuple[Array, dict]:
-    """Write this call's keys and values k, v [B, T, K, H] into layer ``layer`` of ``cache``
-    ({"k", "v"}: [L, B, K, S, H], or L buffers [B, K, S, H] each with a Python int ``layer``)
-    at slot ``cache_index``, then attend q [B, T, N, H] over
-    the layer's S slots under the boolean ``mask`` [B, 1, T, S]. Returns ([B, T, N, H], cache).
+    """Attend q [B, T, N, H] over layer ``layer`` of ``cache`` ({"k", "v"}: [L, B, K, S, H], or L
+    buffers [B, K, S, H] each with a Python int ``layer``) and over this call's own keys and values
+    k, v [B, T, K, H], which go to slots [cache_index, cache_index + T), under the boolean
+    ``mask`` [B, 1, T, S]; then write k and v there. Returns ([B, T, N, H], cache).
 
-    Both products batch over (row, kv head) and read the cache in its own layout, each kv
-    head's [S, H] block contiguous, with the G query heads sharing it side by side. Scores
-    and softmax are float32, as in ``jax.nn.dot_product_attention``.
+    The cache is read before it is written: the scores against the cache leave out this call's
+    slots (stale until the write), those against its own keys come from k directly, and one
+    softmax spans both. A loop carrying the stacked cache then updates it in place (read after
+    write, XLA:TPU kept a second copy of the whole cache as a temporary). A prefill that fills
+    the whole cache (cache_index 0, T = S) reads none of it. Both products batch over (row, kv
+    head) and read the cache in its own layout, each kv head's [S, H] block contiguous, with the G
+    query heads sharing it side by side. Scores and softmax are float32, as in
+    ``jax.nn.dot_product_attention``.
     """
+    b, t, n, h = q.shape
+    kv = k.shape[2]
     zero = jnp.zeros((), jnp.int32)
     index = jnp.asarray(cache_index, jnp.int32)
-    if isinstance(cache["k"], (list, tuple)):  # a buffer per layer (the GPU sampler's): ``layer`` is an int
+    listed = isinstance(cache["k"], (list, tuple))  # a buffer per layer (accelerators' sampler): an int layer
+    own = {name: new.transpose(0, 2, 1, 3).astype((cache[name][0] if listed else cache[name]).dtype)
+           for name, new in (("k", k), ("v", v))}  # [B, K, T, H], as the cache will hold them
+    qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+    low = jnp.finfo(jnp.float32).min
+    parts = []  # (scores [B, K, G, T, S'] masked, values [B, K, S', H])
+    if not (isinstance(cache_index, int) and cache_index == 0 and t == mask.shape[-1]):
+        if listed:
+            keys, values = cache["k"][layer], cache["v"][layer]
+        else:
+            keys, values = (jax.lax.dynamic_index_in_dim(cache[name], layer, 0, keepdims=False) for name in "kv")
+        slots = jnp.arange(mask.shape[-1])
+        stale = (slots >= index) & (slots < index + t)
+        seen = mask & ~stale[None, None, None, :]
+        parts.append((jnp.where(seen[:, :, None], _scores(qg, keys.astype(q.dtype)) * scale, low), values))
+    seen = jax.lax.dynamic_slice_in_dim(mask, index, t, axis=3)  # [B, 1, T, T]: causal among the call's tokens
+    parts.append((jnp.where(seen[:, :, None], _scores(qg, own["k"].astype(q.dtype)) * scale, low), own["v"]))
+    top = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s, _ in parts])
+    weights = [jnp.exp(s - top) for s, _ in parts]
+    total = sum(w.sum(axis=-1, keepdims=True) for w in weights)
+    out = sum(jnp.einsum("bkgts,bksh->bkgth", (w / total).astype(v.dtype), x.astype(v.dtype))
+              for w, (_, x) in zip(weights, parts))
+    if listed:
         def put(buffers, new):
             out = list(buffers)
-            out[layer] = nn.with_logical_constraint(jax.lax.dynamic_update_slice(
-                out[layer], new.transpose(0, 2, 1, 3).astype(out[layer].dtype), (zero, zero, index, zero)),
-                CACHE_AXES[1:])
+            out[layer] = nn.with_logical_constraint(
+                jax.lax.dynamic_update_slice(out[layer], new, (zero, zero, index, zero)), CACHE_AXES[1:])
             return tuple(out)
 
-        cache = {"k": put(cache["k"], k), "v": put(cache["v"], v)}
-        keys, values = cache["k"][layer].astype(q.dtype), cache["v"][layer].astype(q.dtype)
+        cache = {name: put(cache[name], own[name]) for name in "kv"}
     else:
         start = (layer, zero, zero, index, zero)
-        cache = {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(
-            cache[name], new.transpose(0, 2, 1, 3)[None].astype(cache[name].dtype), start), CACHE_AXES)
-            for name, new in (("k", k), ("v", v))}
-        keys = jax.lax.dynamic_index_in_dim(cache["k"], layer, 0, keepdims=False).astype(q.dtype)
-        values = jax.lax.dynamic_index_in_dim(cache["v"], layer, 0, keepdims=False).astype(q.dtype)
-    b, t, n, h = q.shape
-    kv = keys.shape[1]
-    qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+        cache = {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(cache[name], own[name][None], start),
+                                                  CACHE_AXES) for name in "kv"}
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
+
+
+def _scores(qg: Array, keys: Array) -> Array:
+    """float32 [B, K, G, T, S] of queries [B, K, G, T, H] against keys [B, K, S, H]."""
     if shd.platform() == "cpu":
         # keys as the left operand, [S, H] x [H, G*T]: XLA:CPU's matmul repacks a transposed
         # right operand, and [G*T, H] x [S, H]^T read the keys at a third of the speed of the
         # values product (a decode step over 1088 slots: 15 ms of 26). The barrier keeps XLA
         # from swapping the operands back.
-        scores = jax.lax.optimization_barrier(
+        return jax.lax.optimization_barrier(
             jnp.einsum("bksh,bkgth->bksgt", keys, qg, preferred_element_type=jnp.float32)).transpose(0, 1, 3, 4, 2)
-    else:
-        scores = jnp.einsum("bkgth,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, :, None], scores * scale, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bksh->bkgth", probs, values)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
+    return jnp.einsum("bkgth,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nn.Module):

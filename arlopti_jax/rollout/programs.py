@@ -9,9 +9,9 @@ body, so its compile time does not grow with the layer count (all sampler progra
 instead of 186 s on CPU, docs/benchmarks.md). The price, on CPU: a decode step of 4 layers at
 0.5B's widths took 1.14x the straight-line layers' time (interleaved runs of bench/rollout.py).
 On a GPU (``per_layer_cache``) the cache is a tuple of L buffers [N, K, S, H] each, the weights
-likewise (``Sampler.sampling_params``), and the layers run straight-line: XLA:GPU copies a
-layer's slice of a stacked array out before every product that reads it, and the straight-line
-step becomes one command buffer. ``unroll_layers`` still shapes the training passes.
+likewise (``Sampler.sampling_params``), and the layers run straight-line: XLA:GPU copies a layer's
+slice of a stacked array out before every product that reads it, and the straight-line step
+becomes one command buffer. ``unroll_layers`` still shapes the training passes.
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ def _rows(x: Array) -> Array:
 
 
 def per_layer_cache(platform: str | None = None) -> bool:
-    """Whether the cache is one buffer per layer (on a GPU: the decode step's layers run
-    straight-line, and each attends to a whole buffer of its own, which XLA:GPU reads in place; a
-    slice of the stacked [L, ...] cache is copied out at every layer of every step) rather than
-    one stacked buffer the layer loop indexes (elsewhere). ``platform``: the mesh's (default: the
-    one programs are traced for, ``sharding.platform``)."""
+    """Whether the cache is one buffer per layer, the decode step's layers running straight-line
+    and each attending to a whole buffer of its own (on a GPU), rather than one stacked buffer the
+    layer loop indexes (elsewhere). With the stacked cache, XLA:GPU copies each layer's slice out
+    before reading it, at every layer of every step; XLA:TPU reads it in place (the attention reads
+    the cache before it writes it: ``decoder.cached_attention``), and the loop keeps compiles short.
+    ``platform``: the mesh's (default: the one programs are traced for, ``sharding.platform``)."""
     return (platform or shd.platform()) == "gpu"
 
 
@@ -214,8 +215,8 @@ def decode(cfg: ModelConfig, params, state: DecodeState, key: Array, temperature
         return (s.step < limit) & (_busiest(s.finished, devices) > compact_at)
 
     # On a GPU the step's layers run straight-line, each reading its own weights and cache buffer at a
-    # constant index, and XLA:GPU puts the whole step into one command buffer (one CUDA graph launch
-    # per token instead of about 16 launches per layer; bench/roofline.py). Elsewhere the loop keeps
+    # constant index (per_layer_cache), and the whole step is one command buffer (one CUDA graph
+    # launch per token instead of about 16 per layer; bench/roofline.py). Elsewhere the loop keeps
     # compiles short (on CPU 20 s instead of 186 s for the sampler's programs at 1.5B).
     unroll = per_layer_cache()
 

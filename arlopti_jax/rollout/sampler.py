@@ -155,7 +155,7 @@ class Sampler:
         compute dtype (with float32 master weights and bfloat16 compute, the programs' own casts
         would read 4 bytes per weight, and write and read 2 more, at every decode step; the values
         are those of the casts it replaces), and on a GPU with a buffer per layer (its layers run
-        straight-line, and XLA:GPU copies a slice of a stacked weight out before each product)."""
+        straight-line; XLA:GPU copies a slice of a stacked weight out before each product)."""
         if self._cast is None:
             return params
         with shd.activate(self.mesh, self.rules):
