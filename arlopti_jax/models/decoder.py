@@ -152,13 +152,14 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
     k, v [B, T, K, H], which go to slots [cache_index, cache_index + T), under the boolean
     ``mask`` [B, 1, T, S]; then write k and v there. Returns ([B, T, N, H], cache).
 
-    The cache is read before it is written: the scores against the cache leave out this call's
-    slots (stale until the write), those against its own keys come from k directly, and one
-    softmax spans both. A loop carrying the stacked cache then updates it in place (read after
+    A stacked cache is read before it is written: the scores against the cache leave out this
+    call's slots (stale until the write), those against its own keys come from k directly, and
+    one softmax spans both. A loop carrying the stacked cache then updates it in place (read after
     write, XLA:TPU kept a second copy of the whole cache as a temporary). A prefill that fills
-    the whole cache (cache_index 0, T = S) reads none of it. Both products batch over (row, kv
-    head) and read the cache in its own layout, each kv head's [S, H] block contiguous, with the G
-    query heads sharing it side by side. Scores and softmax are float32, as in
+    the whole cache (cache_index 0, T = S) reads none of it. A per-layer buffer is written, then
+    read whole (the split costs XLA:GPU more traffic than it saves there). Both products batch
+    over (row, kv head) and read the cache in its own layout, each kv head's [S, H] block
+    contiguous, with the G query heads sharing it side by side. Scores and softmax are float32, as in
     ``jax.nn.dot_product_attention``.
     """
     b, t, n, h = q.shape
@@ -170,12 +171,21 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
            for name, new in (("k", k), ("v", v))}  # [B, K, T, H], as the cache will hold them
     qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
     low = jnp.finfo(jnp.float32).min
+    if listed:  # written first, then read whole: each buffer is the layer's own, read in place
+        def put(buffers, new):
+            out = list(buffers)
+            out[layer] = nn.with_logical_constraint(
+                jax.lax.dynamic_update_slice(out[layer], new, (zero, zero, index, zero)), CACHE_AXES[1:])
+            return tuple(out)
+
+        cache = {name: put(cache[name], own[name]) for name in "kv"}
+        scores = jnp.where(mask[:, :, None], _scores(qg, cache["k"][layer].astype(q.dtype)) * scale, low)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bksh->bkgth", probs, cache["v"][layer].astype(v.dtype))
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
     parts = []  # (scores [B, K, G, T, S'] masked, values [B, K, S', H])
     if not (isinstance(cache_index, int) and cache_index == 0 and t == mask.shape[-1]):
-        if listed:
-            keys, values = cache["k"][layer], cache["v"][layer]
-        else:
-            keys, values = (jax.lax.dynamic_index_in_dim(cache[name], layer, 0, keepdims=False) for name in "kv")
+        keys, values = (jax.lax.dynamic_index_in_dim(cache[name], layer, 0, keepdims=False) for name in "kv")
         slots = jnp.arange(mask.shape[-1])
         stale = (slots >= index) & (slots < index + t)
         seen = mask & ~stale[None, None, None, :]
@@ -187,18 +197,9 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
     total = sum(w.sum(axis=-1, keepdims=True) for w in weights)
     out = sum(jnp.einsum("bkgts,bksh->bkgth", (w / total).astype(v.dtype), x.astype(v.dtype))
               for w, (_, x) in zip(weights, parts))
-    if listed:
-        def put(buffers, new):
-            out = list(buffers)
-            out[layer] = nn.with_logical_constraint(
-                jax.lax.dynamic_update_slice(out[layer], new, (zero, zero, index, zero)), CACHE_AXES[1:])
-            return tuple(out)
-
-        cache = {name: put(cache[name], own[name]) for name in "kv"}
-    else:
-        start = (layer, zero, zero, index, zero)
-        cache = {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(cache[name], own[name][None], start),
-                                                  CACHE_AXES) for name in "kv"}
+    start = (layer, zero, zero, index, zero)
+    cache = {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(cache[name], own[name][None], start),
+                                              CACHE_AXES) for name in "kv"}
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
 
 
