@@ -55,9 +55,9 @@ case "${1:-}" in
     # at 1.5B on the first lease, before its layer loop), then
     # again from the persistent cache
     run compile_3b 150 -m arlopti_jax.aot --config=configs/kk.py:3b,grpo_ar_lopti --target=local \
-      --config.train.batch_prompts=8 --config.compile_cache_dir=/tmp/cc
+      --config.train.batch_prompts=8 --config.train.mini_batch=64 --config.compile_cache_dir=/tmp/cc
     run compile_3b_cached 60 -m arlopti_jax.aot --config=configs/kk.py:3b,grpo_ar_lopti --target=local \
-      --config.train.batch_prompts=8 --config.compile_cache_dir=/tmp/cc
+      --config.train.batch_prompts=8 --config.train.mini_batch=64 --config.compile_cache_dir=/tmp/cc
     run attention_probe 90 bench/attention_probe.py --rows 4 --tokens 4096 --segments 4
     run train_step_1.5b 130 bench/train_step.py --shape 1.5b --batch 32 --seq 1024 --micro 4 --steps 3 \
       --dtype bfloat16 --remat --skip-rollout-batch
