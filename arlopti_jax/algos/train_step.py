@@ -236,15 +236,22 @@ class TrainStep:
                                           attention_cost=self.attention_cost,
                                           input_ids=batch["input_ids"] if self.shared_prefix else None)
 
-    def _accumulated(self, params, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
-        """(gradient accumulator, n_tokens) of the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
-        rows = np.asarray(rows)
+    def targets(self, batch: dict[str, np.ndarray], rows) -> dict[str, np.ndarray]:
+        """The dense [B, T] arrays ``packing.gather`` takes per target for the ``rows`` of a
+        mini-batch: what ``_accumulate`` receives beside the packed tokens (``aot`` builds its
+        abstract micro-batch from this too, so it compiles what the update runs)."""
         weight = np.zeros(batch["response_mask"].shape, np.float32)
         weight[rows] = aggregation_weights(batch["response_mask"][rows], self.loss_cfg.agg)
         targets = {k: batch[k] for k in TARGET_KEYS[:-1] + (("ref_logprobs",) if self.loss_cfg.use_kl else ())}
         targets.update(agg_weight=weight, target_ids=batch["input_ids"])
         if self.loss_cfg.ratio_level == "sequence":  # GSPO's ratio: each target's sequence
             targets["sequence_id"] = sequence_ids(weight.shape)
+        return targets
+
+    def _accumulated(self, params, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
+        """(gradient accumulator, n_tokens) of the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
+        rows = np.asarray(rows)
+        targets = self.targets(batch, rows)
         n_tok = np.float32(max(float(batch["response_mask"][rows].sum()), 1.0))
         self.processed.append(packing.summary(micro_batches))
         with shd.activate(self.mesh, self.rules):
@@ -325,7 +332,7 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
             return tuple(packing.scatter_targets(plan, [np.asarray(v[i]) for v in values], shape) for i in (0, 1))
         return packing.scatter_targets(plan, [np.asarray(v) for v in values], shape)
 
-    compute_logprobs.jitted = jitted
+    compute_logprobs.jitted, compute_logprobs.with_entropy_jitted = jitted, with_entropy_jitted  # aot compiles them
     compute_logprobs.processed = []  # what each call packed, as ``TrainStep.processed``
     return compute_logprobs
 

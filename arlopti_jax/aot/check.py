@@ -43,7 +43,6 @@ from arlopti_jax import sharding as shd
 from arlopti_jax.aot import hlo, targets
 from arlopti_jax.aot.targets import GIB, Target
 from arlopti_jax.algos import packing
-from arlopti_jax.algos.losses import aggregation_weights
 from arlopti_jax.rollout.sampling import bucket
 
 HEADROOM = 0.95  # of the chip's memory a program may use (XLA reserves some; fragmentation)
@@ -105,12 +104,10 @@ def worst_case_micro_batch(run: run_setup.Run) -> tuple[dict, dict, list]:
     order = np.arange(rows)
     plan = run.train_step.plan({"attention_mask": attention, "response_mask": response, "input_ids": ids}, order)
     floats = np.zeros(attention.shape, np.float32)
-    targets = {"old_logprobs": floats, "advantages": floats, "loss_mask": response, "response_mask": response,
-               "agg_weight": aggregation_weights(response, run.loss_cfg.agg), "target_ids": ids}
-    if run.use_reference:
-        targets["ref_logprobs"] = floats
+    batch = {"input_ids": ids, "attention_mask": attention, "response_mask": response, "old_logprobs": floats,
+             "advantages": floats, "loss_mask": response, "ref_logprobs": floats}
     logprob_pass = packing.gather(plan[0], {"input_ids": ids}, {"target_ids": ids})
-    return packing.gather(plan[0], {"input_ids": ids}, targets), logprob_pass, plan
+    return packing.gather(plan[0], {"input_ids": ids}, run.train_step.targets(batch, order)), logprob_pass, plan
 
 
 class Compiler:
@@ -248,9 +245,12 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
         row = run.train_step.row_sharding
         spec = lambda arrays: {k: abstract(v.shape, v.dtype, row) for k, v in arrays.items()}
         with shd.activate(mesh, run.train_step.rules):
+            compiler.group = "logprobs"
             if "logprobs" in groups and (run.use_reference or c.rollout.recompute_old_logprobs):
-                compiler.group = "logprobs"
                 compiler(f"log-probs {_shape(host)}", run.logprobs.jitted, params, spec(logprob_host))
+            if "logprobs" in groups and run.weight_cfg.entropy_top_fraction:  # pi_old's entropies (80/20)
+                compiler(f"log-probs+entropy {_shape(host)}", run.logprobs.with_entropy_jitted, params,
+                         spec(logprob_host))
             compiler.group = "update"
             step = run.train_step
             if "update" in groups:
