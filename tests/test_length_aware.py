@@ -193,6 +193,7 @@ def test_phase_ends_and_invalid_stop_at(policy):
         SamplingConfig(max_response_len=4, phase_tokens=-1)
 
 
+@pytest.mark.slow  # two processes: minutes on 2 cores; CI runs the slow tests
 def test_two_processes_equal_one(tmp_path):
     """2 processes x 4 devices (launch/local.sh): each samples its share of the prompts; the
     length-aware and dense samplers agree there, and the rows equal one process's 8 devices."""
@@ -238,5 +239,21 @@ def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
     layers = sampler.sampling_params(params)["layers"]
     assert isinstance(layers, tuple) and len(layers) == cfg.num_layers
     got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    assert len(got.decode_loops) > 3  # compacted and grew
+    _assert_same(got, want)
+
+
+def test_the_tpu_attention_equals_the_cpu_one(policy, monkeypatch):
+    """On a TPU the sampler's attention reads the stacked cache before writing the call's own
+    keys (``decoder.read_before_write``: the cache's slots and the call's keys scored apart, one
+    softmax over both). Forced here on the CPU, it draws the tokens and log-probs of the
+    write-then-read attention the CPU runs, through every phase and compaction."""
+    from arlopti_jax.models import decoder
+
+    kw = dict(temperature=0.8, top_k=20)
+    want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    monkeypatch.setattr(decoder, "read_before_write", lambda: True)
+    sampler = Sampler(policy[0], policy[2].mesh)  # programs traced anew
+    got = sampler.generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
     assert len(got.decode_loops) > 3  # compacted and grew
     _assert_same(got, want)
