@@ -62,7 +62,7 @@ def forced_accuracy(folder: str | Path, rows: int = 200) -> dict[int, tuple[floa
         policy = run_setup.load_policy(config, mesh, folder / "model")
         data = {n: run_setup.prompt_dataset(config, [f], policy.tokenizer) for n, f in files.items()}
         run = run_setup.assemble(config, mesh, policy.model_cfg, eos_ids=run_setup.eos_ids(policy),
-                                 pad_id=run_setup.pad_id(policy), total_steps=1)
+                                 pad_id=run_setup.pad_id(policy), total_steps=max(1, config.train.max_steps))
         evaluator = Evaluator(config, run, policy.tokenizer, data, load_reward_fn(None))
         results = evaluator.run(policy.params, jax.random.key(0))
     return {n: (results[f"eval/{n}/greedy_acc"], len(sets[n])) for n in sets}

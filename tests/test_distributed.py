@@ -42,6 +42,7 @@ def eval_records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow  # two processes: minutes on 2 cores; CI runs the slow tests
 def test_two_processes_reproduce_one_process(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "one", **{
         "data.test_files": str(start_point / "data" / "test_2ppl.parquet"),
