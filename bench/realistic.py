@@ -4,6 +4,7 @@ interleaved in one run, plus the tiny-shape comparison with transformers.
     python bench/realistic.py                          # before = 7530733 (the last dense commit)
     python bench/realistic.py --before none --rounds 1 # this checkout only
     python bench/realistic.py --skip-tiny              # without bench/tiny_vs_hf.py
+    python bench/realistic.py --compare-shared --skip-tiny  # train.shared_prefix off against on, this checkout
     JAX_PLATFORMS=cuda python bench/realistic.py --before none --skip-tiny --shape 0.5b --dtype bfloat16 \
         --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8      # GPU
 
@@ -29,6 +30,11 @@ model FLOP per real token (forward: 2 per body weight per processed slot, 2 per 
 weight per slot projected onto the vocabulary, plus attention over the keys each query sees;
 3 x that for forward + backward). The new path's compilations after its warm-up
 step are counted: none are allowed beyond its documented buckets (asserted).
+
+``--compare-shared`` runs this checkout twice per round instead, with the shared-prefix update and
+log-prob passes off ("unshared") and on ("shared", ``algos/packing.py``), and reports each side's
+peak resident memory (``ru_maxrss``) beside the times. Attention FLOP count the keys each packed
+query sees (its position + 1), so a shared prompt's attention is counted once.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="parameter dtype (the trainer's default: float32 master weights)")
     ap.add_argument("--skip-tiny", action="store_true", help="skip the tiny-shape comparison with transformers")
+    ap.add_argument("--compare-shared", action="store_true",
+                    help="this checkout with train.shared_prefix off against on (instead of --before)")
+    ap.add_argument("--shared-prefix", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=("run",), help=argparse.SUPPRESS)
     ap.add_argument("--label", default="", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -139,10 +148,13 @@ def run_worker(args) -> dict:
     opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
     loss_cfg = algos.LossConfig(kl_coef=0.001)
     width = args.prompt_len + args.gen_len
+    # the shared-prefix flag, where this checkout has it
+    share = "shared_prefix" in inspect.signature(algos.make_train_step).parameters
+    shared = {"shared_prefix": args.shared_prefix == "on"} if share else {}
     if packed:
         tokens = -(-args.micro * width // 64) * 64
-        step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens)
-        logprobs_fn = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens)
+        step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens, **shared)
+        logprobs_fn = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens, **shared)
     else:
         step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, num_micro_batches=args.mini_batch // args.micro)
         logprobs_fn = algos.make_compute_logprobs(cfg, mesh, num_micro_batches=args.mini_batch // args.micro)
@@ -213,11 +225,13 @@ def run_worker(args) -> dict:
         if packed:  # the plan's arrays directly (packing.summary is newer than some --before commits)
             from arlopti_jax.algos import packing
 
+            ids = {"input_ids": batch["input_ids"]} if shared.get("shared_prefix") else {}
             plan = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"],
                                               np.arange(len(lengths)), tokens_per_device=tokens,
                                               num_devices=shd.batch_divisor(mesh),
-                                              attention_cost=cfg.attention_cost_per_key())
-            ref = dict(slots=sum(mb.token_src.size for mb in plan), targets=sum(mb.target_src.size for mb in plan))
+                                              attention_cost=cfg.attention_cost_per_key(), **ids)
+            ref = dict(slots=sum(mb.token_src.size for mb in plan), targets=sum(mb.target_src.size for mb in plan),
+                       keys=float(sum(int((mb.positions + 1)[mb.token_src >= 0].sum()) for mb in plan)))
         else:
             ref = dict(slots=slots, targets=slots)
         if step:  # padding over the timed steps
@@ -233,16 +247,21 @@ def run_worker(args) -> dict:
                  "decode_row_steps": getattr(rollout, "decode_row_steps", 0),
                  "decode_attended_keys": getattr(rollout, "decode_attended_keys", 0),
                  "dense_attention_keys": attention_keys([batch["input_ids"].shape[1]] * len(rows)),
-                 "real_attention_keys": attention_keys(rows)}
+                 "real_attention_keys": ref.get("keys", attention_keys(rows))}
+    import resource
+
     record = {"label": args.label, "packed": packed, "forced_eos": forced, "num_params": cfg.num_params(),
-              "times": times, "stats": stats, "compiles_after_warmup": len(compiles) - warm_compiles}
+              "times": times, "stats": stats, "compiles_after_warmup": len(compiles) - warm_compiles,
+              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB on Linux
     print("RESULT " + json.dumps(record))
     return record
 
 
 def spawn(args, label: str, pythonpath: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "run", "--label", label] + [
-        a for a in sys.argv[1:] if a not in ("--skip-tiny",)]
+        a for a in sys.argv[1:] if a not in ("--skip-tiny", "--compare-shared")]
+    if args.compare_shared:
+        cmd += ["--shared-prefix", "on" if label == "shared" else "off"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=pythonpath)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -291,7 +310,9 @@ def main(argv=None) -> int:
           f"{args.param_dtype}")
     sides = {"after": str(ROOT)}
     tmp = None
-    if args.before != "none":
+    if args.compare_shared:
+        sides = {"unshared": str(ROOT), "shared": str(ROOT)}
+    elif args.before != "none":
         tmp = tempfile.mkdtemp(prefix="before_")
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "arlopti_jax", "bench"],
                                  capture_output=True, check=True).stdout
@@ -330,11 +351,19 @@ def main(argv=None) -> int:
     if "before" in summary:
         before, after = sum(summary["before"].values()), sum(summary["after"].values())
         print(f"\nwhole RL step: before {before:.2f}s, after {after:.2f}s: {before / after:.2f}x faster")
-    early = [r["stats"].get("ended_early", 0) for r in records["after"]]
-    print(f"rows that sampled the EOS id before their forced length (this checkout, last step of each round): {early}")
-    after_compiles = [r["compiles_after_warmup"] for r in records["after"]]
-    print(f"compilations after the warm-up step (this checkout): {after_compiles}")
-    assert all(c == 0 for c in after_compiles), "this checkout recompiled after its warm-up step"
+    if args.compare_shared:
+        ratio = lambda p: (sum(summary["unshared"].values()) / sum(summary["shared"].values()) if p == "step"
+                           else summary["unshared"][p] / summary["shared"][p])
+        print("\nshared prefix, faster by: " + ", ".join(f"{p} {ratio(p):.2f}x" for p in ("step", "update",
+                                                                                            "ref_logprobs")))
+        for side in sides:
+            print(f"peak RSS per round, {side}: " + ", ".join(f"{r['peak_rss'] / 2**30:.2f} GiB" for r in records[side]))
+    for side in (s for s in sides if s != "before"):
+        early = [r["stats"].get("ended_early", 0) for r in records[side]]
+        print(f"rows that sampled the EOS id before their forced length ({side}, last step of each round): {early}")
+        compiles = [r["compiles_after_warmup"] for r in records[side]]
+        print(f"compilations after the warm-up step ({side}): {compiles}")
+        assert all(c == 0 for c in compiles), f"{side} recompiled after its warm-up step"
     if not args.skip_tiny:
         print("\n--- tiny-shape comparison with transformers (bench/tiny_vs_hf.py) ---", flush=True)
         sys.path.insert(0, str(HERE))

@@ -166,13 +166,14 @@ def assert_logprobs_match(got, want):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("tokens", [512, 64], ids=["one-micro-batch", "split-groups"])
-def test_shared_logprobs_equal_unshared_and_dense(tokens):
+@pytest.mark.parametrize("tokens,mesh_shape", [(512, SINGLE), (64, SINGLE), (64, (("data", 2), ("fsdp", 4)))],
+                         ids=["one-micro-batch", "split-groups", "data2xfsdp4"])
+def test_shared_logprobs_equal_unshared_and_dense(tokens, mesh_shape):
     batch, _, _ = grouped_batch()
-    got = logprobs_fn(True, tokens)(params_on(), batch)
+    got = logprobs_fn(True, tokens, mesh_shape)(params_on(mesh_shape), batch)
     want = logprobs_fn(False, tokens)(params_on(), batch)
     assert_logprobs_match(got, want)
-    shared, whole = logprobs_fn(True, tokens).processed[-1], logprobs_fn(False, tokens).processed[-1]
+    shared, whole = logprobs_fn(True, tokens, mesh_shape).processed[-1], logprobs_fn(False, tokens).processed[-1]
     assert shared.real_tokens < whole.real_tokens == batch["attention_mask"].sum()  # the shared layout ran
     dense = np.asarray(token_logprobs(CFG, params_on(), batch["input_ids"], batch["attention_mask"],
                                       temperature=LOSS.temperature)[0]) * batch["response_mask"]
@@ -279,3 +280,30 @@ def test_lopti_passes_and_diagnostics_equal_unshared():
     np.testing.assert_allclose(got_norms, want_norms, rtol=1e-5)
     np.testing.assert_allclose(got_iso, want_iso, rtol=1e-4, atol=1e-6)
     assert np.abs(want_iso).max() > 1e-3
+
+
+@pytest.mark.slow
+def test_training_with_shared_prefix_equals_unshared(start_point, tmp_path):
+    """Three RL steps from the embedded default's start point (8 devices), train.shared_prefix off
+    and on, with TR weights, Lopti, the KL's reference pass, the pi_old recompute, DAPO filtering,
+    the overlong penalty and the diagnostics (quartile gradients, the isolation experiment): the
+    same logged metrics each step to float32 rounding, and fewer tokens forwarded by the update."""
+    from test_train import TIMING, make_config, overrides, step_metrics
+
+    from arlopti_jax.train import train
+
+    values = {"algo.weighting": "tr", "algo.lopti_eta": 0.5, "algo.filter_groups": True, "algo.max_sample_rounds": 2,
+              "algo.overlong_buffer": 4, "rollout.recompute_old_logprobs": True, "train.diagnostics_every": 1,
+              "train.max_steps": 3, "loss.kl_coef": 0.001, "data.max_prompt_length": 128}
+    runs = {}
+    for shared in (False, True):
+        run_dir = tmp_path / f"shared_{shared}"
+        train(make_config(overrides(start_point, run_dir, **values, **{"train.shared_prefix": shared})))
+        runs[shared] = step_metrics(run_dir)
+    assert set(runs[True]) == set(runs[False]) == {1, 2, 3}
+    for step, want in runs[False].items():
+        got = runs[True][step]
+        assert got["update/forwarded_tokens"] < want["update/forwarded_tokens"]
+        for name, value in want.items():
+            if name != "update/forwarded_tokens" and not name.startswith(TIMING):
+                assert got[name] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, name)
