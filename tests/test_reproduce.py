@@ -46,6 +46,7 @@ def sweep(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
 def test_quick_sweep_writes_the_table_and_figures(sweep):
     out, proc = sweep
     report = (out / "reproduction.md").read_text()
@@ -71,6 +72,7 @@ def test_quick_sweep_writes_the_table_and_figures(sweep):
     assert len(results["runs"]) == len(PAPER_VARIANTS) and all(r["finished"] for r in results["runs"].values())
 
 
+@pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
 def test_a_second_invocation_resumes(sweep):
     out, _ = sweep
     results = json.loads((out / "results.json").read_text())

@@ -165,6 +165,7 @@ def test_gspo_on_packed_micro_batches_equals_the_whole_batch():
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
 def test_gspo_train_step_gradient_is_the_sequence_objectives_on_a_model():
     """Through the packed train step on a tiny model (many micro-batches): the accumulated
     gradient equals autodiff of the paper's sequence-level GSPO objective on dense logits."""

@@ -96,6 +96,7 @@ def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
     assert steps(tmp_path / "b") == steps(tmp_path / "a")
 
 
+@pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
 def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, tmp_path, capsys):
     """filter_groups + diagnostics_every=1 + pass@k evaluation: the metrics are logged, and a
     kill + resume=auto reproduces the uninterrupted run."""
@@ -207,6 +208,7 @@ def test_a_missing_path_is_one_error_line(start_point, tmp_path, module, field):
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
 def test_export_and_eval_clis(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "e", **{"train.max_steps": 2, "data.test_files":
                                                       str(start_point / "data" / "test_2ppl.parquet")})
