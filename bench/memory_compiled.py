@@ -95,7 +95,10 @@ def table(path: Path) -> str:
              "fits (compiler) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
         e = records.get(key(row))
-        if e is None:
+        if e is None:  # not compiled yet (the run resumes): the estimate alone
+            model, hw, layout, dtype = row
+            lines.append(f"| {model} | {hw} | {layout} | {dtype} | {estimate(*row) / GIB:.1f} | not compiled yet | - | "
+                         "- | - |")
             continue
         est = e["estimate_bytes"] / GIB
         if e["compiled_bytes"] is None:
