@@ -145,3 +145,15 @@ ENTRY %main (a: f32[64,256], i: s32[]) -> f32[64,256] {
     assert module.bytes() == (row + 4 + row) + (row + 4 + row)
     assert hlo.shape_bytes("(bf16[2,3]{1,0}, s32[])") == 2 * 6 + 4
     assert np.isclose(hlo.shape_bytes("pred[10]"), 10)
+
+
+def test_a_growth_or_compaction_that_does_not_fit_is_told_to_decode_in_one_phase():
+    """Those programs hold two KV caches (7B on a v5e-16 was refused at a compaction): the advice
+    names the one-phase settings; a decode step's advice does not."""
+    from arlopti_jax.aot.check import advice
+
+    for program in ("grow rows=64 slots=2496", "compact rows=64 slots=4544"):
+        text = advice("rollout", False, program)
+        assert "two KV caches" in text and "rollout.phase_tokens=rollout.max_response_length" in text
+    assert "phase_tokens" not in advice("rollout", False, "decode rows=64 slots=4544")
+    assert advice("rollout", True, "grow rows=64 slots=2496").startswith("the resident state dominates")

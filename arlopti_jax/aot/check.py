@@ -301,8 +301,13 @@ def report(config, target: Target, run, programs: list[Program], resident: int, 
     }
 
 
-def advice(group: str, resident_dominates: bool = False) -> str:
-    """What to change when a program of ``group`` does not fit."""
+def advice(group: str, resident_dominates: bool = False, program: str = "") -> str:
+    """What to change when ``program`` (of ``group``) does not fit."""
+    if program.startswith(("grow", "compact")) and not resident_dominates:
+        return (f"'{program}' holds two KV caches at once (the old and the one it copies into): decode in one phase "
+                "without compaction (rollout.phase_tokens=rollout.max_response_length, rollout.min_rows=the rows "
+                "per batch shard, as configs/layouts/v5e16.py does for 7B), or fewer train.batch_prompts or "
+                "rollout.n per step, or more batch shards (mesh.data x mesh.fsdp)")
     if resident_dominates:
         return ("the resident state dominates (parameters, AdamW moments, the reference policy): shard it over more "
                 "devices (mesh.fsdp), or model.param_dtype=bfloat16, or loss.kl_coef=0 (no reference copy)")
@@ -320,4 +325,4 @@ def does_not_fit_line(record: dict) -> str:
     return (f"{record['target']}: the {peak['group']} program '{peak['name']}' needs "
             f"{record['peak_bytes_per_device'] / GIB:.1f} GiB per device, more than the "
             f"{record['usable_bytes_per_device'] / GIB:.1f} GiB usable of {record['device_memory_bytes'] / GIB:.1f} GiB: "
-            f"{advice(peak['group'], resident >= peak['peak_bytes_per_device'] - resident)}")
+            f"{advice(peak['group'], resident >= peak['peak_bytes_per_device'] - resident, peak['name'])}")
