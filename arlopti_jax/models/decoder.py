@@ -173,32 +173,31 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
            for name, new in (("k", k), ("v", v))}  # [B, K, T, H], as the cache will hold them
     qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
     low = jnp.finfo(jnp.float32).min
-    if listed or not read_before_write():  # written first, then the layer's slots read whole
-        if listed:  # a buffer per layer, each read in place
-            def put(buffers, new):
-                out = list(buffers)
-                out[layer] = nn.with_logical_constraint(
-                    jax.lax.dynamic_update_slice(out[layer], new, (zero, zero, index, zero)), CACHE_AXES[1:])
-                return tuple(out)
 
-            cache = {name: put(cache[name], own[name]) for name in "kv"}
-            keys, values = cache["k"][layer], cache["v"][layer]
-        else:
-            start = (layer, zero, zero, index, zero)
-            cache = {name: nn.with_logical_constraint(
-                jax.lax.dynamic_update_slice(cache[name], own[name][None], start), CACHE_AXES) for name in "kv"}
-            keys, values = (jax.lax.dynamic_index_in_dim(cache[name], layer, 0, keepdims=False) for name in "kv")
-        scores = jnp.where(mask[:, :, None], _scores(qg, keys.astype(q.dtype)) * scale, low)
+    def write(cache):  # this call's keys and values into their slots of the layer
+        if listed:
+            return {name: tuple(nn.with_logical_constraint(jax.lax.dynamic_update_slice(
+                buf, own[name], (zero, zero, index, zero)), CACHE_AXES[1:]) if i == layer else buf
+                for i, buf in enumerate(cache[name])) for name in "kv"}
+        return {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(
+            cache[name], own[name][None], (layer, zero, zero, index, zero)), CACHE_AXES) for name in "kv"}
+
+    def read(cache, name):  # the layer's [B, K, S, H] slots
+        return cache[name][layer] if listed else jax.lax.dynamic_index_in_dim(cache[name], layer, 0, keepdims=False)
+
+    if listed or not read_before_write():  # written first, then the layer's slots read whole
+        cache = write(cache)
+        scores = jnp.where(mask[:, :, None], _scores(qg, read(cache, "k").astype(q.dtype)) * scale, low)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bksh->bkgth", probs, values.astype(v.dtype))
+        out = jnp.einsum("bkgts,bksh->bkgth", probs, read(cache, "v").astype(v.dtype))
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
     parts = []  # (scores [B, K, G, T, S'] masked, values [B, K, S', H])
     if not (isinstance(cache_index, int) and cache_index == 0 and t == mask.shape[-1]):
-        keys, values = (jax.lax.dynamic_index_in_dim(cache[name], layer, 0, keepdims=False) for name in "kv")
         slots = jnp.arange(mask.shape[-1])
         stale = (slots >= index) & (slots < index + t)
         seen = mask & ~stale[None, None, None, :]
-        parts.append((jnp.where(seen[:, :, None], _scores(qg, keys.astype(q.dtype)) * scale, low), values))
+        parts.append((jnp.where(seen[:, :, None], _scores(qg, read(cache, "k").astype(q.dtype)) * scale, low),
+                      read(cache, "v")))
     seen = jax.lax.dynamic_slice_in_dim(mask, index, t, axis=3)  # [B, 1, T, T]: causal among the call's tokens
     parts.append((jnp.where(seen[:, :, None], _scores(qg, own["k"].astype(q.dtype)) * scale, low), own["v"]))
     top = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s, _ in parts])
@@ -206,9 +205,7 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
     total = sum(w.sum(axis=-1, keepdims=True) for w in weights)
     out = sum(jnp.einsum("bkgts,bksh->bkgth", (w / total).astype(v.dtype), x.astype(v.dtype))
               for w, (_, x) in zip(weights, parts))
-    start = (layer, zero, zero, index, zero)
-    cache = {name: nn.with_logical_constraint(jax.lax.dynamic_update_slice(cache[name], own[name][None], start),
-                                              CACHE_AXES) for name in "kv"}
+    cache = write(cache)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
 
 
