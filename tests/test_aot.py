@@ -147,6 +147,37 @@ ENTRY %main (a: f32[64,256], i: s32[]) -> f32[64,256] {
     assert np.isclose(hlo.shape_bytes("pred[10]"), 10)
 
 
+def test_collective_payloads_are_the_results_of_each_async_form():
+    """The async starts' tuples as XLA:TPU and XLA:GPU print them: a collective-permute's (the
+    windowed einsum's ring on a v5p-64) ends in two u32 contexts, a combined all-gather's holds its
+    operands then its results; each is counted as its results' bytes."""
+    from arlopti_jax.aot import hlo
+
+    text = """HloModule m
+
+ENTRY %main (w: bf16[1,112,28,128], a: s32[1,64], b: f32[16,1024], g: f32[1024,128], r: f32[2184]) -> f32[2184] {
+  %w = bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)} parameter(0)
+  %a = s32[1,64]{1,0} parameter(1)
+  %b = f32[16,1024]{1,0} parameter(2)
+  %g = f32[1024,128]{0,1} parameter(3)
+  %r = f32[2184]{0} parameter(4)
+  %cp = (bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%w), channel_id=9, source_target_pairs={{0,1},{1,0}}
+  %cpd = bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)} collective-permute-done(%cp)
+  %ag = ((s32[1,64]{1,0}, f32[16,1024]{1,0}), (s32[8,64]{1,0}, f32[128,1024]{1,0})) all-gather-start(%a, %b), dimensions={0}
+  %agd = (s32[8,64]{1,0}, f32[128,1024]{1,0}) all-gather-done(%ag)
+  %rs = ((f32[1024,128]{0,1}), f32[1024,16]{0,1}) reduce-scatter-start(%g), dimensions={1}
+  %rsd = f32[1024,16]{0,1} reduce-scatter-done(%rs)
+  %ar = f32[2184]{0} all-reduce-start(%r), to_apply=%add
+  ROOT %ard = f32[2184]{0} all-reduce-done(%ar)
+}
+"""
+    found = hlo.Module(text).collectives()
+    assert found["collective-permute"] == {"count": 1, "bytes": 112 * 28 * 128 * 2}
+    assert found["all-gather"] == {"count": 1, "bytes": 8 * 64 * 4 + 128 * 1024 * 4}
+    assert found["reduce-scatter"] == {"count": 1, "bytes": 1024 * 16 * 4}
+    assert found["all-reduce"] == {"count": 1, "bytes": 2184 * 4}
+
+
 def test_a_growth_or_compaction_that_does_not_fit_is_told_to_decode_in_one_phase():
     """Those programs hold two KV caches (7B on a v5e-16 was refused at a compaction): the advice
     names the one-phase settings; a decode step's advice does not."""

@@ -225,12 +225,18 @@ def _param_number(inst: Instruction) -> int | None:
 
 
 def _result_bytes(inst: Instruction) -> float:
-    """A collective's payload: its result (for an async start, the last element of its tuple)."""
-    if inst.opcode.endswith("-start") and inst.shape.startswith("("):
-        parts = _ARRAY.findall(inst.shape)
-        dtype, dims = parts[-1]
-        return DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
-    return shape_bytes(inst.shape)
+    """A collective's payload, its result. An async start's tuple holds its operands and results:
+    ``((operands...), (results...))`` for an all-gather (the second half of its arrays), ``((operand),
+    result)`` for a reduce-scatter or an all-to-all, and ``(operand, result, u32[], u32[])`` for a
+    collective-permute (the second array: the two u32 scalars are its context). An all-reduce's start
+    is shaped as its results."""
+    if not (inst.opcode.endswith("-start") and inst.shape.startswith("(")) or inst.opcode == "all-reduce-start":
+        return shape_bytes(inst.shape)
+    arrays = _ARRAY.findall(inst.shape)
+    size = lambda a: DTYPE_BYTES.get(a[0], 0) * math.prod(int(d) for d in a[1].split(",") if d)
+    if inst.opcode == "collective-permute-start":
+        return size(arrays[1])
+    return sum(size(a) for a in arrays[len(arrays) // 2:])
 
 
 # ---- XLA:GPU thunk sequences (``xla_dump_to``: *.thunk_sequence_after_thunk_passes.txt) ----
