@@ -178,6 +178,18 @@ ENTRY %main (w: bf16[1,112,28,128], a: s32[1,64], b: f32[16,1024], g: f32[1024,1
     assert found["all-reduce"] == {"count": 1, "bytes": 2184 * 4}
 
 
+def test_the_tpu_estimate_loses_its_second_per_concat_bitcast():
+    """libtpu's estimate of a decode step counts each ConcatBitcast custom call as -1 s: a 2-layer
+    step's -3998.1 ms with four of them is 1.9 ms; one that stays negative is unusable."""
+    from arlopti_jax.aot import hlo
+
+    call = '  %c{i} = bf16[2,64]{{1,0}} custom-call(%a, %b), custom_call_target="ConcatBitcast"\n'
+    text = "".join(call.format(i=i) for i in range(4))
+    assert np.isclose(hlo.tpu_estimate(-3.9981, text), 0.0019)
+    assert hlo.tpu_estimate(0.0021, "") == 0.0021
+    assert hlo.tpu_estimate(-1.5, call.format(i=0)) is None and hlo.tpu_estimate(None, text) is None
+
+
 def test_a_growth_or_compaction_that_does_not_fit_is_told_to_decode_in_one_phase():
     """Those programs hold two KV caches (7B on a v5e-16 was refused at a compaction): the advice
     names the one-phase settings; a decode step's advice does not."""

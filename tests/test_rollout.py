@@ -261,3 +261,44 @@ def test_invalid_settings_name_the_field(policy):
         _gen(policy, prompts=[[3], []])
     with pytest.raises(ValueError, match=f"outside \\[0, {VOCAB}\\)"):
         _gen(policy, prompts=[[3, VOCAB]])
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("mode", ["sampled", "greedy", "top_p"])
+def test_draws_and_logprobs_equal_a_numpy_transcription(platform, mode, monkeypatch):
+    """``sample_tokens`` on each platform's path (the CPU's max-then-min argmax, the GPU and TPU's
+    one value-and-index reduction; the log-softmax shifted by the draw's own maximum) against numpy:
+    the first index of the maximum of logits / T + the same Gumbel noise (ties included), and
+    log_softmax(logits / T) at that token."""
+    from arlopti_jax.rollout import gumbel_noise, sample_tokens
+
+    monkeypatch.setattr(shd, "platform", lambda: platform)
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(6, 50)) * 4).astype(np.float32)
+    logits[0, [7, 30]] = 40.0  # a tie at the maximum: greedy takes the first index
+    logits[1, :] = -np.inf
+    logits[1, [4, 9]] = 2.0  # most of the vocabulary masked out
+    key, rows, t = jax.random.key(11), jnp.arange(10, 16, dtype=jnp.int32), 5
+    temperature, top_p = jnp.float32(0.7), jnp.float32(0.9)
+    tokens, lp = sample_tokens(jnp.asarray(logits), key, t, rows, temperature, top_p, top_k=0,
+                               use_top_p=mode == "top_p", greedy=mode == "greedy")
+    scaled = logits.astype(np.float64) / 0.7
+    m = scaled.max(axis=1, keepdims=True)
+    log_softmax = scaled - (m + np.log(np.exp(scaled - m).sum(axis=1, keepdims=True)))
+    if mode == "greedy":
+        expected = np.argmax(logits, axis=1)
+    elif mode == "sampled":
+        expected = np.argmax(scaled.astype(np.float32) + np.asarray(gumbel_noise(key, t, rows, 50)), axis=1)
+    else:  # the nucleus: the most likely tokens whose mass before them is under top_p
+        order = np.argsort(-scaled, axis=1, kind="stable")
+        expected = []
+        for r in range(len(logits)):
+            p = np.exp(log_softmax[r, order[r]])
+            keep = (np.cumsum(p) - p) < 0.9
+            assert tokens[r] in order[r][keep]
+            expected.append(int(tokens[r]))
+        expected = np.array(expected)
+    np.testing.assert_array_equal(np.asarray(tokens), expected)
+    if mode == "greedy":
+        assert tokens[0] == 7
+    np.testing.assert_allclose(np.asarray(lp), log_softmax[np.arange(6), expected], rtol=1e-5, atol=1e-5)

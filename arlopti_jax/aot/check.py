@@ -19,7 +19,8 @@ the step's memory peak; shorter sequences pack into the same budget or a smaller
 Per program: compile seconds, the compiler's per-device memory (arguments, outputs,
 temporaries, aliased), flops and bytes accessed (XLA:TPU's cost analysis; on a GPU the bytes are
 counted from the optimized HLO, ``hlo.Module``), the compiler's time estimate (TPU; only for
-programs without loops, where it is meaningful), and the collectives in the optimized HLO.
+programs without loops, where it is meaningful; ``hlo.tpu_estimate`` removes libtpu's -1 s per
+``ConcatBitcast`` call), and the collectives in the optimized HLO.
 The step's per-device peak adds what stays resident across programs (parameters, optimizer
 state, the reference policy) to each program's own arguments, outputs and temporaries.
 """
@@ -150,7 +151,7 @@ class Compiler:
         program = Program(
             name=name, group=self.group, compile_s=round(seconds, 2), memory=memory, resident_args=resident,
             flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
-            estimate_s=float(estimate) if estimate is not None and loop_free and estimate > 0 else None,
+            estimate_s=hlo.tpu_estimate(estimate, text) if loop_free else None,
             hlo_bytes=module.bytes(), loop_free=loop_free,
             collectives={k: v for k, v in module.collectives().items() if v["count"]})
         program.peak = self.resident - resident + memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
