@@ -162,7 +162,7 @@ def train(config) -> dict:
                 if step == 0:  # and once, the isolation experiment on the first batch
                     diagnostics.update(isolation_metrics(run, params, batch, passes))
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
-        mark = len(train_step.processed)
+        mark, programs = len(train_step.processed), train_step.num_compilations()
         with timer("update"):
             params, opt_state, pass_metrics = algos.update_on_batch(
                 train_step, params, opt_state, batch, passes, config.train.mini_batch)
@@ -180,6 +180,8 @@ def train(config) -> dict:
                    "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
                    "throughput/update_padding": packed.padding,
                    "update/forwarded_tokens": float(packed.real_tokens),
+                   # a micro-batch shape not seen before compiles inside the step's update time
+                   "update/new_programs": float(train_step.num_compilations() - programs),
                    "train/epoch": iterator.epoch}
         util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
         if util is not None:

@@ -10,7 +10,8 @@ step, 80-100-token prompts, responses of up to 48 tokens) for ``--steps`` RL ste
 evaluation, with ``train.shared_prefix=False`` and ``True``, each in its own process, one after
 the other (the first side alternating between rounds). The step's time is the sum of its timed phases (``time/*`` in metrics.jsonl:
 rollout, reward, update; this config has no reference or pi_old pass), median over the steps
-after the first (which compiles), then over rounds. Peak memory is the process's peak resident
+after the first (which compiles), then over rounds; and again over the steps whose update compiled no
+new program (a micro-batch shape not seen before compiles inside the update's time). Peak memory is the process's peak resident
 set (``ru_maxrss``: model, sampler, update and everything else). The training curves: each
 step's logged metrics (timing excluded) on both sides of a round, and their largest relative
 difference. Model and data paths default to the README's folders.
@@ -83,9 +84,13 @@ def spawn(args, side: str, run_dir: Path) -> dict:
     return rec
 
 
-def step_times(rec: dict) -> dict[str, float]:
-    """Median over the steps after the first of each phase's seconds, and their sum ('step')."""
-    later = [m for s, m in sorted(rec["steps"].items()) if s > 1]
+def step_times(rec: dict, steady: bool = False) -> dict[str, float]:
+    """Median over the steps after the first of each phase's seconds, and their sum ('step');
+    ``steady``: only over those whose update compiled no new program (``update/new_programs``: a
+    micro-batch shape not seen before compiles inside the update's time). NaN if there are none."""
+    later = [m for s, m in sorted(rec["steps"].items()) if s > 1 and not (steady and m.get("update/new_programs"))]
+    if not later:
+        return {p: float("nan") for p in PHASES + ("step",)}
     out = {p: statistics.median(m.get(f"time/{p}", 0.0) for m in later) for p in PHASES}
     out["step"] = statistics.median(sum(m.get(f"time/{p}", 0.0) for p in PHASES) for m in later)
     return out
@@ -119,9 +124,11 @@ def main(argv=None) -> int:
         for side in list(SIDES)[::1 if r % 2 == 0 else -1]:  # alternate which side goes first
             rec = spawn(args, side, tmp / f"{side}_{r}")
             records[side].append(rec)
-            t = step_times(rec)
+            t, q = step_times(rec), step_times(rec, steady=True)
+            compiled = [int(m.get("update/new_programs", 0)) for _, m in sorted(rec["steps"].items())]
             print(f"round {r + 1} {side}: step {t['step']:.2f} s (" + ", ".join(f"{p} {t[p]:.2f} s" for p in PHASES)
-                  + f"), peak RSS {rec['peak_rss'] / 2**30:.2f} GiB", flush=True)
+                  + f"), peak RSS {rec['peak_rss'] / 2**30:.2f} GiB; new update programs per step {compiled}; "
+                  f"steps that compiled none: update {q['update']:.2f} s", flush=True)
         gap, where = curve_gap(records["unshared"][-1], records["shared"][-1])
         print(f"round {r + 1} curves: largest relative difference {gap:.2e} ({where})", flush=True)
     print("\nmedians over rounds:")
@@ -135,6 +142,12 @@ def main(argv=None) -> int:
               f" | {rss:.2f} GiB (max) |")
     ratio = {k: med["unshared"][k] / med["shared"][k] for k in ("update", "step")}
     print(f"\nshared prefix: update {ratio['update']:.2f}x, RL step {ratio['step']:.2f}x faster")
+    steady = {side: {k: statistics.median(step_times(rec, steady=True)[k] for rec in recs) for k in ("update", "step")}
+              for side, recs in records.items()}
+    print(f"over the steps that compiled no new update program: update {steady['unshared']['update']:.2f} / "
+          f"{steady['shared']['update']:.2f} s = {steady['unshared']['update'] / steady['shared']['update']:.2f}x, "
+          f"RL step {steady['unshared']['step']:.2f} / {steady['shared']['step']:.2f} s = "
+          f"{steady['unshared']['step'] / steady['shared']['step']:.2f}x")
     for side in SIDES:
         print(f"peak RSS per round, {side}: " + ", ".join(f"{rec['peak_rss'] / 2**30:.2f}" for rec in records[side]))
     first = records["unshared"][0]["steps"]
