@@ -181,7 +181,7 @@ def train(config) -> dict:
                    "throughput/update_padding": packed.padding,
                    "update/forwarded_tokens": float(packed.real_tokens),
                    # a micro-batch shape not seen before compiles inside the step's update time
-                   "update/new_programs": float(train_step.num_compilations() - programs),
+                   "time/update_new_programs": float(train_step.num_compilations() - programs),
                    "train/epoch": iterator.epoch}
         util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
         if util is not None:

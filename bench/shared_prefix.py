@@ -86,9 +86,9 @@ def spawn(args, side: str, run_dir: Path) -> dict:
 
 def step_times(rec: dict, steady: bool = False) -> dict[str, float]:
     """Median over the steps after the first of each phase's seconds, and their sum ('step');
-    ``steady``: only over those whose update compiled no new program (``update/new_programs``: a
+    ``steady``: only over those whose update compiled no new program (``time/update_new_programs``: a
     micro-batch shape not seen before compiles inside the update's time). NaN if there are none."""
-    later = [m for s, m in sorted(rec["steps"].items()) if s > 1 and not (steady and m.get("update/new_programs"))]
+    later = [m for s, m in sorted(rec["steps"].items()) if s > 1 and not (steady and m.get("time/update_new_programs"))]
     if not later:
         return {p: float("nan") for p in PHASES + ("step",)}
     out = {p: statistics.median(m.get(f"time/{p}", 0.0) for m in later) for p in PHASES}
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
             rec = spawn(args, side, tmp / f"{side}_{r}")
             records[side].append(rec)
             t, q = step_times(rec), step_times(rec, steady=True)
-            compiled = [int(m.get("update/new_programs", 0)) for _, m in sorted(rec["steps"].items())]
+            compiled = [int(m.get("time/update_new_programs", 0)) for _, m in sorted(rec["steps"].items())]
             print(f"round {r + 1} {side}: step {t['step']:.2f} s (" + ", ".join(f"{p} {t[p]:.2f} s" for p in PHASES)
                   + f"), peak RSS {rec['peak_rss'] / 2**30:.2f} GiB; new update programs per step {compiled}; "
                   f"steps that compiled none: update {q['update']:.2f} s", flush=True)
