@@ -114,7 +114,8 @@ def main() -> None:
             start = time.perf_counter()
             for mini in minis:
                 plan = step.plan(batch, mini)
-                plans.setdefault(name, []).append(plan) if rnd == 0 else None
+                if rnd == 0:
+                    plans.setdefault(name, []).append(plan)
                 targets = step.targets(batch, mini)
                 n_tok = np.float32(batch["response_mask"][mini].sum())
                 with shd.activate(run.mesh, step.rules):

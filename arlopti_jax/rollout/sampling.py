@@ -180,7 +180,6 @@ def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Arr
     tokens = tokens.astype(jnp.int32)
     if forced is not None:
         tokens = jnp.where(forced >= 0, forced, tokens)
-    shift = jax.lax.stop_gradient(shift)
     lse = shift + jnp.log(jnp.sum(jnp.exp(scaled - shift[:, None]), axis=-1))
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
     return tokens, picked - lse
