@@ -84,11 +84,19 @@ def local() -> Target:
 
     import jax
 
+    from arlopti_jax.metrics import PEAK_BF16_FLOPS
+
     found = jax.local_devices()
     stats = getattr(found[0], "memory_stats", lambda: None)() or {}
     memory = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    kind = found[0].device_kind.lower()
+    pick = lambda table: next((v for k, v in table.items() if k.lower() in kind), 0.0)
     return Target("local", platform=found[0].platform, topology=found[0].device_kind, hosts=1, chips=len(found),
-                  hbm_bytes=int(memory), hbm_bytes_per_s=0.0, peak_flops=0.0)
+                  hbm_bytes=int(memory), hbm_bytes_per_s=pick(LOCAL_HBM_BYTES_PER_S), peak_flops=pick(PEAK_BF16_FLOPS))
+
+
+# HBM bandwidth of a local GPU (datasheet), by a substring of jax's device_kind: 0 where unknown.
+LOCAL_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
 
 @functools.lru_cache(maxsize=None)
