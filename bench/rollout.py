@@ -136,12 +136,14 @@ class Ours:
         return self.sampler.generate(self.params, prompts, group, self.key, sampling, stop_at=stop_at)
 
     def split(self, prompts, group: int, sampling: SamplingConfig) -> tuple[float, float]:
-        """(prefill + first token, the rest) seconds of one call."""
+        """(prefill + first token, the rest) seconds of one call, with the weights ``generate``
+        gives its programs (``sampling_params``: per layer on a GPU), made before the clock starts."""
         batch = self.sampler.pad_prompts(prompts, sampling)
+        params = jax.block_until_ready(self.sampler.sampling_params(self.params))
         t0 = time.perf_counter()
-        state = jax.block_until_ready(self.sampler.start(self.params, batch, group, self.key, sampling))
+        state = jax.block_until_ready(self.sampler.start(params, batch, group, self.key, sampling))
         t1 = time.perf_counter()
-        np.asarray(self.sampler.decode(self.params, state, self.key, sampling).tokens)
+        np.asarray(self.sampler.decode(params, state, self.key, sampling).tokens)
         return t1 - t0, time.perf_counter() - t1
 
     def decode_bound(self, sampling: SamplingConfig, rows_per_device: int) -> int:
@@ -280,7 +282,8 @@ def main(argv=None):
     warm = compiles.count
     times = interleaved(sides, args.rounds, lambda out: args.batch * args.gen_len)
     assert compiles.count == warm, f"{compiles.count - warm} compilations after the warm-up"
-    assert ours.sampler._decode._cache_size() <= ours.decode_bound(sampling, rows_per_device)
+    programs, bound = ours.sampler._decode._cache_size(), ours.decode_bound(sampling, rows_per_device)
+    assert programs <= bound, f"{programs} decode programs compiled, more than the {bound} the sampler may make"
     generated = args.batch * args.gen_len
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f"\nmedians (one interleaved run; ours: prefill + first token {prefill * 1e3:.1f} ms, "
