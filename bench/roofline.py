@@ -18,7 +18,10 @@ step is at its memory roofline when it moves that and no more. Printed per targe
 - bytes per step: XLA:TPU's cost analysis on the straight-line step (layers unrolled: its
   estimate needs a program without loops), or, on the H100, the optimized HLO's traffic
   (``aot.hlo.Module``), against the minimum;
-- TPU: the compiler's time estimate against the roofline time (minimum bytes / HBM bandwidth);
+- TPU: the compiler's time estimate against the roofline time (minimum bytes / HBM bandwidth),
+  for the whole straight-line step and by the slope between 8- and 16-layer programs (the whole
+  model unrolled can come near the chip's memory, where XLA rematerialises what the layer loop
+  the sampler runs does not: the line says so when it happens);
 - H100: the launches of the decode loop that runs (layers as a loop): per layer and per step,
   kernels outside command buffers and command buffers, from XLA:GPU's thunk sequence.
 
@@ -168,7 +171,10 @@ def decode(args) -> None:
                         line += (f"; estimate {estimate * 1e3:6.2f} ms (raw {cost['optimal_seconds'] * 1e3:.2f}), "
                                  f"roofline {roof * 1e3:6.2f} ms ({roof / estimate:.0%})" if estimate else
                                  f"; estimate {cost['optimal_seconds'] * 1e3:.2f} ms: negative, unusable")
-                        line += "; " + one_layer(cfg, mesh, rows, args, slots, sampling, target)
+                        remat = compiled.as_text().count(".remat")
+                        if remat:
+                            line += f"; XLA rematerialised {remat} ops near the chip's memory"
+                        line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
                     if target.platform == "gpu" and not (args.run and counted):  # a run: the loop's launches once
                         line += "; " + gpu_launches(sampler, params, state, scalars, sampling, cfg)
                         counted = True
@@ -181,9 +187,12 @@ def decode(args) -> None:
                 print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
 
 
-def one_layer(cfg, mesh, rows: int, args, slots: int, sampling, target) -> str:
-    """The same step for a one-layer model of the same widths: the head and the sampling's share,
-    beside one layer (its estimate needs no ``ConcatBitcast`` correction: ``hlo.tpu_estimate``)."""
+def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers=(8, 16)) -> str:
+    """The step by XLA:TPU's estimate of two shallower straight-line programs of the same widths:
+    the per-layer cost is the slope between them, extrapolated to the model's depth. The whole
+    model as straight-line code can come near the chip's memory, where XLA rematerialises (one
+    layer's scores and cache update recomputed, the cache read again); the layer loop the sampler
+    runs on a TPU holds one layer's temporaries and does not."""
     import dataclasses
 
     import jax
@@ -194,22 +203,31 @@ def one_layer(cfg, mesh, rows: int, args, slots: int, sampling, target) -> str:
     from arlopti_jax.models import abstract_params
     from arlopti_jax.rollout import programs
 
-    one = dataclasses.replace(cfg, num_layers=1)
     rep = shd.replicated(mesh)
-    params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(one))
-    state = decode_state(one, mesh, rows, args.prompt, args.response, slots)
     scalars = (spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep), spec((), jnp.float32, rep),
                spec((), jnp.float32, rep), spec((8,), jnp.int32, rep))
-    with shd.activate(mesh):
-        step = jax.jit(functools.partial(programs.step, one, kernel=sampling.kernel_key, unroll=True),
-                       donate_argnums=(1,))
-        compiled = step.lower(params, state, *scalars).compile()
-    cost = compiled.cost_analysis() or {}
-    minimum = min_decode_bytes(one, rows, slots)
-    estimate, roof = hlo.tpu_estimate(cost.get("optimal_seconds"), compiled.as_text()), minimum / target.hbm_bytes_per_s
-    return (f"one layer: {cost.get('bytes accessed', 0) / 1e9:.2f} GB against {minimum / 1e9:.2f} GB, estimate "
-            f"{estimate * 1e3:.2f} ms against the roofline's {roof * 1e3:.2f} ms ({roof / estimate:.0%})"
-            if estimate else "one layer: no positive estimate either")
+    figures = []
+    for n in layers:
+        part = dataclasses.replace(cfg, num_layers=n)
+        params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(part))
+        state = decode_state(part, mesh, rows, args.prompt, args.response, slots)
+        with shd.activate(mesh):
+            step = jax.jit(functools.partial(programs.step, part, kernel=sampling.kernel_key, unroll=True),
+                           donate_argnums=(1,))
+            compiled = step.lower(params, state, *scalars).compile()
+        cost, text = compiled.cost_analysis() or {}, compiled.as_text()
+        figures.append((hlo.tpu_estimate(cost.get("optimal_seconds"), text), cost.get("bytes accessed", 0.0),
+                        text.count(".remat")))
+    (e0, b0, r0), (e1, b1, r1) = figures
+    if not (e0 and e1):
+        return "layer slope: no positive estimate"
+    more = cfg.num_layers - layers[1]
+    estimate, moved = e1 + more * (e1 - e0) / (layers[1] - layers[0]), b1 + more * (b1 - b0) / (layers[1] - layers[0])
+    minimum = min_decode_bytes(cfg, rows, slots)
+    roof = minimum / target.hbm_bytes_per_s
+    return (f"by the {layers[0]}->{layers[1]}-layer slope{' (those rematerialise too)' if r0 or r1 else ''}: "
+            f"{moved / 1e9:.2f} GB ({moved / minimum:.2f}x), estimate {estimate * 1e3:.2f} ms ({roof / estimate:.0%} "
+            f"of the roofline)")
 
 
 def time_program(compiled, args, carry: int, steps: int = 5) -> float:
