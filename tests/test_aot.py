@@ -190,6 +190,23 @@ def test_the_tpu_estimate_loses_its_second_per_concat_bitcast():
     assert hlo.tpu_estimate(-1.5, call.format(i=0)) is None and hlo.tpu_estimate(None, text) is None
 
 
+def test_tpu_cycles_are_summed_by_the_operation_that_made_each_kernel():
+    """Three kernels of two source operations (one from a backward pass) and one kernel without
+    metadata: cycles summed per op_name prefix, largest first; lines without a cost are skipped."""
+    from arlopti_jax.aot import hlo
+
+    kernel = ('  %f{i} = bf16[8]{{0}} fusion(%a), kind=kOutput, calls=%c{i}, metadata={{op_name="{op}"}}, '
+              'backend_config={{"window_config":{{"estimated_cycles":"{cycles}"}}}}\n')
+    text = (kernel.format(i=0, op="jit(step)/Block/attn/qk/dot_general", cycles=300)
+            + kernel.format(i=1, op="jit(step)/Block/attn/qk/dot_general", cycles=200)
+            + kernel.format(i=2, op="jit(step)/transpose(jvp(Block))/mlp/up/dot_general", cycles=700)
+            + '  %f3 = bf16[8]{0} fusion(%a), backend_config={"window_config":{"estimated_cycles":"9"}}\n'
+            + '  %p = bf16[8]{0} parameter(0), metadata={op_name="jit(step)/Block/attn/qk/dot_general"}\n')
+    got = hlo.tpu_cycles_by_op(text)
+    assert got == {"transpose(jvp(Block))/mlp/up": 700, "Block/attn/qk": 500, "(no op_name)": 9}
+    assert list(got) == ["transpose(jvp(Block))/mlp/up", "Block/attn/qk", "(no op_name)"]
+
+
 def test_a_growth_or_compaction_that_does_not_fit_is_told_to_decode_in_one_phase():
     """Those programs hold two KV caches (7B on a v5e-16 was refused at a compaction): the advice
     names the one-phase settings; a decode step's advice does not."""

@@ -135,6 +135,24 @@ def tpu_estimate(optimal_seconds: float | None, text: str) -> float | None:
     return seconds if seconds > 0 else None
 
 
+def tpu_cycles_by_op(text: str, depth: int = 3) -> dict[str, int]:
+    """XLA:TPU's per-kernel cost model, summed by source operation: the ``estimated_cycles`` each
+    kernel of a loop-free program carries in its backend config, keyed by the first ``depth``
+    parts of its ``op_name`` metadata after the ``jit(...)`` prefix (for example
+    ``Block/attn/bkgth,bksh->bkgts``, or ``transpose(jvp(Block))/mlp/...`` in a backward pass),
+    largest first. Shares of this sum say where the compiler's estimate goes."""
+    out: dict[str, int] = {}
+    for line in text.split("\n"):
+        cycles = re.search(r'"estimated_cycles":"?(\d+)', line)
+        if not cycles:
+            continue
+        op = re.search(r'op_name="([^"]*)"', line)
+        name = re.sub(r"^jit\([^)]*\)/", "", op.group(1)) if op else "(no op_name)"
+        key = "/".join(name.split("/")[:depth])
+        out[key] = out.get(key, 0) + int(cycles.group(1))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 class Module:
     """An optimized HLO module: traffic, collectives and loops, per execution of a computation."""
 
