@@ -67,6 +67,8 @@ def parse_args():
     t.add_argument("--layers", type=int, default=0,
                    help="compile an N-layer model of the shape's widths (the whole model does not fit one chip's "
                         "compile as straight-line code; the per-layer estimate is the slope between two N)")
+    t.add_argument("--top", type=int, default=12, help="TPU: the operations with the most estimated cycles to print")
+    t.add_argument("--depth", type=int, default=3, help="TPU: op_name parts that name an operation")
     t.add_argument("--run", action="store_true",
                    help="--target local: also run and time the micro-batch (ms), beside the compiler's FLOPs and bytes")
     return ap.parse_args()
@@ -352,6 +354,12 @@ def train(args) -> None:
           f"{cost.get('bytes accessed', 0) / 1e9:.1f} GB, estimate {(estimate or float('nan')) * 1e3:.0f} ms (raw "
           f"{cost.get('optimal_seconds', 0) * 1e3:.0f}); "
           f"model {model / 1e12:.1f} TFLOP per device -> MFU {mfu:.1%} of {target.peak_flops / 1e12:.0f} TFLOP/s")
+    cycles = hlo.tpu_cycles_by_op(compiled.as_text(), depth=args.depth)
+    if cycles:  # XLA:TPU's per-kernel cost model, by the operation that made each kernel
+        total = sum(cycles.values())
+        print("where the estimate goes (XLA:TPU's estimated cycles per kernel, by source operation):")
+        for name, n in list(cycles.items())[:args.top]:
+            print(f"  {n / total:6.1%}  {name}")
     if args.run and target.name == "local":
         counted = hlo.Module(compiled.as_text()).bytes()
         moved = cost.get("bytes accessed") or counted
