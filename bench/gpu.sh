@@ -4,6 +4,8 @@
 #   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
 #   bash bench/gpu.sh calibrate   # issue 32: decode ms per step and train MFU at the compiled shapes, to set
 #                                 # beside the compile-only figures of docs/benchmarks.md (same card, same shapes)
+#   bash bench/gpu.sh shared      # issue 29: the shared-prefix exactness tests on the GPU (float32, highest
+#                                 # precision; single-device layouts) and the realistic step shared vs unshared
 #   bash bench/gpu.sh decode      # sampler compile time; train-step MFU; cuDNN probe
 #   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
@@ -17,7 +19,7 @@
 # ONLY="name ..." runs just the named benchmarks of a group; each runs under its own time limit so that one slow benchmark cannot take the others with it.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-LOGS="${OUT:-gpu_logs}"
+LOGS="$(realpath -m "${OUT:-gpu_logs}")"  # absolute: some benchmarks run from bench/
 mkdir -p "$LOGS"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
@@ -74,6 +76,16 @@ case "${1:-}" in
     # the whole 1.5B train step at the paper's sequence length (MFU as docs/benchmarks.md counts it)
     run calibrate_train 130 bench/train_step.py --shape 1.5b --batch 16 --seq 4608 --micro 1 --steps 3 \
       --dtype bfloat16 --remat --skip-rollout-batch
+    # the decode loop end to end (the figure the 2026-11-23 and 2026-11-26 leases compare)
+    (cd bench && run rollout_1.5b 170 rollout.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 --skip-hf \
+      --rounds 3 --dense)
+    ;;
+  shared)
+    setup
+    JAX_DEFAULT_MATMUL_PRECISION=highest run shared_prefix_tests 150 -m pytest -q -p no:cacheprovider -m "not slow" \
+      tests/test_shared_prefix.py -k "not data and not fsdp4xtensor2"
+    run realistic_shared_0.5b 290 bench/realistic.py --compare-shared --skip-tiny --rounds 1 --steps 1 --shape 0.5b \
+      --dtype bfloat16 --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8
     ;;
   rlstep)
     setup
@@ -116,5 +128,5 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|calibrate|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh {setup|calibrate|shared|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
 esac
