@@ -107,22 +107,25 @@ def attention(q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str
     ``impl`` "cudnn" (what "auto" picks on a GPU at 16-bit): ``jax.nn.dot_product_attention``'s
     cuDNN fused kernel, which never holds the [T, S] scores (on an H100, 1.5B's heads over 4 packed
     rows of 4,096 tokens: forward + backward 5.4 ms against 23 ms, docs/benchmarks.md). "xla": its
-    XLA lowering, except on CPU: there ``_causal_blocks`` computes the same math."""
+    XLA lowering on a GPU; on CPUs and TPUs ``_causal_blocks`` computes the same math without the
+    scores above the diagonal (XLA:TPU's estimate of a 3B layer at 4,544 tokens: 27.0 ms
+    against 34.5 ms for the whole [T, T] scores, docs/benchmarks.md)."""
     backend = shd.platform()
     if impl == "auto":
         impl = "cudnn" if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
-    if backend != "cpu":
+    if backend == "gpu":
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
     return _causal_blocks(q, k, v, mask, scale)
 
 
 def _causal_blocks(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
-    """``attention`` on CPU: heads ahead of positions (the query heads sharing a key head
-    batched together); rows of 512 slots or more run their queries in blocks of about 256 (at
-    most 8) that each attend only to the keys up to their last slot, so most scores above the
-    diagonal are never computed. Forward and backward over 2 rows of 640 (2 blocks): 47 ms
+    """``attention`` on CPUs and TPUs: heads ahead of positions (the query heads sharing a key
+    head batched together); rows of 512 slots or more run their queries in blocks of about 256
+    (at most 8) that each attend only to the keys up to their last slot, so most scores above the
+    diagonal are never computed (XLA's own lowering computes, writes and reads all T x T of them,
+    forward and backward). On the CPU, forward and backward over 2 rows of 640 (2 blocks): 47 ms
     against 53 ms unblocked; 1 row of 1,536 (6 blocks): 118 ms against 236 ms. Smaller blocks
     run faster still (8 rows of 192 in 6 blocks: 10-13 ms against 16-21 ms; transformers' fused
     CPU attention 10-14 ms) but every block adds to the compilation: blocks of 96 made the
