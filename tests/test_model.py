@@ -198,9 +198,11 @@ def test_attention_impl_is_validated():
                     head_dim=4, attention="flash")
 
 
-# (backend, dtype) -> the kernel 'auto' must run: cuDNN's fused one only on a GPU at 16 bits.
+# (backend, dtype) -> the kernel 'auto' must run: cuDNN's fused one only on a GPU at 16 bits; XLA's own
+# lowering of dot_product_attention on a GPU otherwise; the causal query blocks on CPUs and TPUs.
 AUTO_KERNELS = [("gpu", jnp.bfloat16, "cudnn"), ("gpu", jnp.float16, "cudnn"), ("gpu", jnp.float32, "xla"),
-                ("tpu", jnp.bfloat16, "xla"), ("cpu", jnp.bfloat16, "cpu blocks"), ("cpu", jnp.float32, "cpu blocks")]
+                ("tpu", jnp.bfloat16, "causal blocks"), ("tpu", jnp.float32, "causal blocks"),
+                ("cpu", jnp.bfloat16, "causal blocks"), ("cpu", jnp.float32, "causal blocks")]
 
 
 @pytest.mark.parametrize("backend, dtype, want", AUTO_KERNELS, ids=lambda v: getattr(v, "__name__", str(v)))
@@ -216,10 +218,10 @@ def test_auto_attention_picks_the_kernel_for_backend_and_dtype(monkeypatch, back
     monkeypatch.setattr(decoder.jax, "default_backend", lambda: backend)
     monkeypatch.setattr(decoder.jax.nn, "dot_product_attention",
                         lambda q, *a, implementation=None, **k: ran.append(implementation or "xla") or q)
-    monkeypatch.setattr(decoder, "_causal_blocks", lambda q, *a: ran.append("cpu blocks") or q)
+    monkeypatch.setattr(decoder, "_causal_blocks", lambda q, *a: ran.append("causal blocks") or q)
     for impl in ("auto", "xla", "cudnn"):
         decoder.attention(q, kv, kv, mask, 0.35, impl)
-    explicit_xla = "cpu blocks" if backend == "cpu" else "xla"
+    explicit_xla = "xla" if backend == "gpu" else "causal blocks"
     assert ran == [want, explicit_xla, "cudnn"]
 
 
