@@ -49,11 +49,6 @@ from arlopti_jax.models import load_pretrained  # noqa: E402
 from arlopti_jax.rollout import Sampler, SamplingConfig  # noqa: E402
 from shapes import SHAPES, hf_model  # noqa: E402  (Qwen2.5-0.5B ... 7B dimensions)
 
-# Peak HBM bandwidth, bytes/s, matched against jax's device_kind (first match wins).
-PEAK_BANDWIDTH = (
-    ("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
-    ("A100-SXM4-80GB", 2.039e12), ("A100 80GB", 1.935e12), ("A100", 1.555e12),
-)
 EOS = 2  # the random model's EOS id (shapes.hf_model)
 
 
@@ -183,8 +178,9 @@ class Transformers:
 def peak_bandwidth(device, flag_gbs):
     if flag_gbs:
         return flag_gbs * 1e9
-    kind = getattr(device, "device_kind", "")
-    return next((bw for name, bw in PEAK_BANDWIDTH if name in kind), None)
+    from arlopti_jax.aot.targets import hbm_bandwidth
+
+    return hbm_bandwidth(getattr(device, "device_kind", ""))
 
 
 def timed(fn, *args, **kw) -> tuple[float, object]:

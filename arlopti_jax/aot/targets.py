@@ -89,14 +89,22 @@ def local() -> Target:
     found = jax.local_devices()
     stats = getattr(found[0], "memory_stats", lambda: None)() or {}
     memory = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    kind = found[0].device_kind.lower()
-    pick = lambda table: next((v for k, v in table.items() if k.lower() in kind), 0.0)
-    return Target("local", platform=found[0].platform, topology=found[0].device_kind, hosts=1, chips=len(found),
-                  hbm_bytes=int(memory), hbm_bytes_per_s=pick(LOCAL_HBM_BYTES_PER_S), peak_flops=pick(PEAK_BF16_FLOPS))
+    kind = found[0].device_kind
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k.lower() in kind.lower()), 0.0)
+    return Target("local", platform=found[0].platform, topology=kind, hosts=1, chips=len(found),
+                  hbm_bytes=int(memory), hbm_bytes_per_s=hbm_bandwidth(kind) or 0.0, peak_flops=peak)
 
 
-# HBM bandwidth of a local GPU (datasheet), by a substring of jax's device_kind: 0 where unknown.
-LOCAL_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+# Datasheet HBM bandwidth of a GPU, bytes/s, by a substring of jax's device_kind (first match wins).
+GPU_HBM_BANDWIDTH = (
+    ("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
+    ("A100-SXM4-80GB", 2.039e12), ("A100 80GB", 1.935e12), ("A100", 1.555e12),
+)
+
+
+def hbm_bandwidth(device_kind: str) -> float | None:
+    """A GPU's HBM bandwidth from ``GPU_HBM_BANDWIDTH``, or None where the kind is not listed."""
+    return next((bw for name, bw in GPU_HBM_BANDWIDTH if name in device_kind), None)
 
 
 @functools.lru_cache(maxsize=None)
