@@ -89,7 +89,6 @@ def spec(shape, dtype, sharding):
 
 def decode_state(cfg, mesh, rows: int, prompt: int, response: int, slots: int):
     """The decode loop's carry, abstract, with ``slots`` cache slots, replicated on a 1-device mesh."""
-    import jax
     import jax.numpy as jnp
 
     from arlopti_jax import sharding as shd
@@ -111,6 +110,29 @@ def decode_state(cfg, mesh, rows: int, prompt: int, response: int, slots: int):
                        prompt_slots=i32(), step=i32())
 
 
+def step_scalars(rep) -> tuple:
+    """The decode step's key, temperature, top-p and EOS ids, abstract."""
+    import jax
+    import jax.numpy as jnp
+
+    return (spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep), spec((), jnp.float32, rep),
+            spec((), jnp.float32, rep), spec((8,), jnp.int32, rep))
+
+
+def compile_step(cfg, mesh, params, state, sampling):
+    """One decode step (``programs.step``, layers straight-line) compiled for ``mesh``'s devices,
+    its state donated (updated in place, as in the decode loop)."""
+    import jax
+
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.rollout import programs
+
+    with shd.activate(mesh):
+        step = jax.jit(functools.partial(programs.step, cfg, kernel=sampling.kernel_key, unroll=True),
+                       donate_argnums=(1,))
+        return step.lower(params, state, *step_scalars(shd.replicated(mesh))).compile()
+
+
 def min_decode_bytes(cfg, rows: int, live_slots: int) -> float:
     """Weights once (bfloat16; the tied embedding read once, as the output projection; an untied
     input embedding only at the rows' tokens) plus the live KV cache once."""
@@ -122,12 +144,11 @@ def min_decode_bytes(cfg, rows: int, live_slots: int) -> float:
 def decode(args) -> None:
     setup()
     import jax
-    import jax.numpy as jnp
 
     from arlopti_jax import sharding as shd
     from arlopti_jax.aot import hlo, shapes, targets
     from arlopti_jax.models import ModelConfig, abstract_params
-    from arlopti_jax.rollout import Sampler, SamplingConfig, programs
+    from arlopti_jax.rollout import Sampler, SamplingConfig
 
     cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="bfloat16")
     sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,))
@@ -144,36 +165,33 @@ def decode(args) -> None:
                 lowered = sampler._cast.lower(params)
                 params = jax.tree.map(lambda i, sh: spec(i.shape, i.dtype, sh), lowered.out_info,
                                       lowered.compile().output_shardings)
-        scalars = (spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep), spec((), jnp.float32, rep),
-                   spec((), jnp.float32, rep), spec((8,), jnp.int32, rep))
+        scalars = step_scalars(rep)
         counted = False
         for rows in (int(r) for r in args.rows.split(",")):
             for slots in [int(s) for s in args.slots.split(",") if s] or [args.prompt + args.response]:
                 state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
                 line = f"{target.name:6s} rows {rows:4d} slots {slots:5d}:"
                 minimum = min_decode_bytes(cfg, rows, slots)
+                start = time.perf_counter()
+                compiled = compile_step(cfg, mesh, params, state, sampling)
+                seconds = time.perf_counter() - start
                 with shd.activate(mesh):
-                    one = jax.jit(functools.partial(programs.step, cfg, kernel=sampling.kernel_key, unroll=True),
-                                  donate_argnums=(1,))  # the state is updated in place, as in the decode loop
-                    start = time.perf_counter()
-                    compiled = one.lower(params, state, *scalars).compile()
-                    seconds = time.perf_counter() - start
-                    cost = compiled.cost_analysis() or {}
+                    cost, text = compiled.cost_analysis() or {}, compiled.as_text()
                     # GPU: the optimized HLO's traffic, as the compile-only h100 figures count it (a real
                     # device's cost analysis, where it gives one, is printed beside it)
-                    moved = (hlo.Module(compiled.as_text()).bytes() if target.platform == "gpu" else
-                             cost.get("bytes accessed") or hlo.Module(compiled.as_text()).bytes())
+                    moved = (hlo.Module(text).bytes() if target.platform == "gpu" else
+                             cost.get("bytes accessed") or hlo.Module(text).bytes())
                     line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
                              f"({moved / minimum:4.2f}x)")
                     if target.platform == "gpu" and cost.get("bytes accessed"):
                         line += f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, {cost.get('flops', 0) / 1e9:.0f} GFLOP]"
                     if "optimal_seconds" in cost:
                         roof = minimum / target.hbm_bytes_per_s
-                        estimate = hlo.tpu_estimate(cost["optimal_seconds"], compiled.as_text())
+                        estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
                         line += (f"; estimate {estimate * 1e3:6.2f} ms (raw {cost['optimal_seconds'] * 1e3:.2f}), "
                                  f"roofline {roof * 1e3:6.2f} ms ({roof / estimate:.0%})" if estimate else
                                  f"; estimate {cost['optimal_seconds'] * 1e3:.2f} ms: negative, unusable")
-                        remat = compiled.as_text().count(".remat")
+                        remat = text.count(".remat")
                         if remat:
                             line += f"; XLA rematerialised {remat} ops near the chip's memory"
                         line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
@@ -181,7 +199,7 @@ def decode(args) -> None:
                         line += "; " + gpu_launches(sampler, params, state, scalars, sampling, cfg)
                         counted = True
                     if args.run and target.name == "local":
-                        ms = time_step(compiled, params, state, scalars)
+                        ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20)
                         bw = target.hbm_bytes_per_s
                         line += f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the compiler's bytes"
                         line += f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: {minimum / bw * 1e3 / ms:.0%})" \
@@ -198,25 +216,18 @@ def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers
     import dataclasses
 
     import jax
-    import jax.numpy as jnp
 
     from arlopti_jax import sharding as shd
     from arlopti_jax.aot import hlo
     from arlopti_jax.models import abstract_params
-    from arlopti_jax.rollout import programs
 
     rep = shd.replicated(mesh)
-    scalars = (spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep), spec((), jnp.float32, rep),
-               spec((), jnp.float32, rep), spec((8,), jnp.int32, rep))
     figures = []
     for n in layers:
         part = dataclasses.replace(cfg, num_layers=n)
         params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(part))
-        state = decode_state(part, mesh, rows, args.prompt, args.response, slots)
-        with shd.activate(mesh):
-            step = jax.jit(functools.partial(programs.step, part, kernel=sampling.kernel_key, unroll=True),
-                           donate_argnums=(1,))
-            compiled = step.lower(params, state, *scalars).compile()
+        compiled = compile_step(part, mesh, params, decode_state(part, mesh, rows, args.prompt, args.response, slots),
+                                sampling)
         cost, text = compiled.cost_analysis() or {}, compiled.as_text()
         figures.append((hlo.tpu_estimate(cost.get("optimal_seconds"), text), cost.get("bytes accessed", 0.0),
                         text.count(".remat")))
@@ -226,6 +237,9 @@ def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers
     more = cfg.num_layers - layers[1]
     estimate, moved = e1 + more * (e1 - e0) / (layers[1] - layers[0]), b1 + more * (b1 - b0) / (layers[1] - layers[0])
     minimum = min_decode_bytes(cfg, rows, slots)
+    if moved < minimum:  # the two programs' fixed parts differ (a layout copy in one and not the other)
+        return (f"{layers[0]}->{layers[1]}-layer slope unusable: it extrapolates to {moved / 1e9:.2f} GB, below the "
+                f"{minimum / 1e9:.2f} GB minimum")
     roof = minimum / target.hbm_bytes_per_s
     return (f"by the {layers[0]}->{layers[1]}-layer slope{' (those rematerialise too)' if r0 or r1 else ''}: "
             f"{moved / 1e9:.2f} GB ({moved / minimum:.2f}x), estimate {estimate * 1e3:.2f} ms ({roof / estimate:.0%} "
@@ -234,38 +248,23 @@ def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers
 
 def time_program(compiled, args, carry: int, steps: int = 5) -> float:
     """Milliseconds per call of a compiled program on zero-filled inputs of its abstract ``args``
-    (the cost does not depend on the values); its output replaces argument ``carry`` (donated)
-    on the next call, as in the accumulate loop."""
+    (a PRNG key: key 0; the cost does not depend on the values); its output replaces argument
+    ``carry`` (donated) on the next call, as in the decode and accumulate loops."""
     import jax
     import jax.numpy as jnp
 
-    real = list(jax.tree.map(lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding), args))
+    def real(a):
+        value = (jax.random.key(0) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else
+                 jnp.zeros(a.shape, a.dtype))
+        return jax.device_put(value, a.sharding)
+
+    real = list(jax.tree.map(real, args))
     real[carry] = compiled(*real)  # warm up
     jax.block_until_ready(real[carry])
     start = time.perf_counter()
     for _ in range(steps):
         real[carry] = compiled(*real)
     jax.block_until_ready(real[carry])
-    return (time.perf_counter() - start) / steps * 1e3
-
-
-def time_step(compiled, params, state, scalars, steps: int = 20) -> float:
-    """Milliseconds per call of the compiled decode step on this machine's device, its state
-    threaded through (donated), on zero-filled weights and cache (the cost does not depend on
-    the values)."""
-    import jax
-    import jax.numpy as jnp
-
-    real = lambda tree: jax.tree.map(lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding), tree)
-    params, state = real(params), real(state)
-    key = jax.device_put(jax.random.key(0), scalars[0].sharding)
-    rest = real(scalars[1:])
-    state = compiled(params, state, key, *rest)  # warm up
-    jax.block_until_ready(state)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state = compiled(params, state, key, *rest)
-    jax.block_until_ready(state)
     return (time.perf_counter() - start) / steps * 1e3
 
 
