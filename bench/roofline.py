@@ -64,9 +64,10 @@ def parse_args():
     t.add_argument("--tokens", type=int, default=4544, help="tokens per device (one packed row)")
     t.add_argument("--prompt", type=int, default=448, help="prompt tokens of the sequence (no vocabulary projection)")
     t.add_argument("--remat", action="store_true", help="model.remat (the configs' setting; more FLOPs)")
-    t.add_argument("--layers", type=int, default=0,
+    t.add_argument("--layers", default="",
                    help="compile an N-layer model of the shape's widths (the whole model does not fit one chip's "
-                        "compile as straight-line code; the per-layer estimate is the slope between two N)")
+                        "compile as straight-line code); two counts, e.g. 2,4: also the per-layer slope between "
+                        "them and the whole model's estimate and MFU by that slope")
     t.add_argument("--top", type=int, default=12, help="TPU: the operations with the most estimated cycles to print")
     t.add_argument("--depth", type=int, default=3, help="TPU: op_name parts that name an operation")
     t.add_argument("--run", action="store_true",
@@ -295,23 +296,41 @@ def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> str:
 
 def train(args) -> None:
     setup()
+    from arlopti_jax import sharding as shd
+    from arlopti_jax.aot import shapes, targets
+    from arlopti_jax.models import ModelConfig
+
+    target = targets.get(args.target)
+    mesh = shd.make_mesh({"fsdp": -1}, devices=list(targets.devices(target)))
+    devices = shd.batch_divisor(mesh)
+    full = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="float32",
+                                    remat=args.remat, unroll_layers=True)
+    counts = [int(n) for n in args.layers.split(",") if n] or [full.num_layers]
+    if len(counts) > 2 or (len(counts) == 2 and counts[0] >= counts[1]):
+        sys.exit(f"--layers {args.layers}: one count, or two increasing counts for the slope")
+    results = [train_program(args, dataclasses.replace(full, num_layers=n), target, mesh, devices) for n in counts]
+    if len(counts) == 2:
+        (e0, m0), (e1, m1) = results
+        slope, more = (e1 - e0) / (counts[1] - counts[0]), full.num_layers - counts[1]
+        estimate, model = e1 + more * slope, m1 + more * (m1 - m0) / (counts[1] - counts[0])
+        print(f"by the {counts[0]}->{counts[1]}-layer slope: {slope * 1e3:.1f} ms per layer; the whole "
+              f"{full.num_layers}-layer model {estimate * 1e3:.0f} ms for {model / 1e12:.1f} TFLOP per device -> MFU "
+              f"{model / (estimate * target.peak_flops):.1%} (compiler figures, extrapolated)")
+
+
+def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
+    """Compile one micro-batch of ``cfg`` for ``target`` and print its figures; returns (the
+    compiler's estimate in seconds or nan, model FLOPs per device)."""
     import jax
     import numpy as np
 
     from arlopti_jax import algos
     from arlopti_jax import sharding as shd
     from arlopti_jax.algos import packing
-    from arlopti_jax.aot import hlo, shapes, targets
-    from arlopti_jax.models import ModelConfig, abstract_params, param_shardings
+    from arlopti_jax.aot import hlo
+    from arlopti_jax.models import abstract_params, param_shardings
     from arlopti_jax.models import policy
 
-    target = targets.get(args.target)
-    mesh = shd.make_mesh({"fsdp": -1}, devices=list(targets.devices(target)))
-    devices = shd.batch_divisor(mesh)
-    cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="float32",
-                                   remat=args.remat, unroll_layers=True)
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     step = algos.make_train_step(cfg, algos.LossConfig(kl_coef=0.0), algos.make_optimizer(algos.OptimConfig()), mesh,
                                  tokens_per_device=args.tokens, chunk_size=args.tokens)
     params = jax.tree.map(lambda a, s: spec(a.shape, a.dtype, s), abstract_params(cfg), param_shardings(cfg, mesh))
@@ -371,6 +390,7 @@ def train(args) -> None:
               f"{model / (ms / 1e3) / peak:.1%}; the compiler's {cost.get('flops', 0) / 1e12:.1f} TFLOP and "
               f"{moved / 1e9:.1f} GB at peak would take {floor * 1e3:.1f} ms (measured / that = "
               f"{ms / 1e3 / floor:.2f})")
+    return estimate or float("nan"), model
 
 
 def main():

@@ -244,19 +244,42 @@ def test_cudnn_attention_matches_xla_on_gpu(tmp_path):
             assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, impl
 
 
-def test_causal_blocks_equal_plain_attention_forward_and_backward():
-    """The CPU attention skips the key blocks above the diagonal: on packed rows (segments
-    and padding) of 800 slots, split into 3 uneven query blocks, its output and gradients equal
-    a plain softmax over all T x T scores (float64 numpy for the output)."""
-    from arlopti_jax.models.decoder import _causal_blocks, segment_mask
+def _attention_case(shared: bool, dtype):
+    """Packed rows of 800 slots (3 uneven query blocks): row 0 holds two sequences then padding,
+    or with ``shared`` a prompt and two responses that see it and not each other; row 1 is one
+    sequence. Returns (q, k, v as float32 numpy, mask, float64 numpy softmax attention)."""
+    from arlopti_jax.models.decoder import segment_mask
 
     rng = np.random.default_rng(0)
     b, t, n, kv, h = 2, 800, 4, 2, 8
-    q, k, v = (rng.normal(0, 1, (b, t, heads, h)).astype(np.float32) for heads in (n, kv, kv))
-    seg = np.zeros((b, t), np.int32)
-    seg[0, :70], seg[0, 70:700] = 1, 2  # two sequences, then padding
+    q, k, v = (np.asarray(jnp.asarray(rng.normal(0, 1, (b, t, heads, h)), dtype).astype(jnp.float32))
+               for heads in (n, kv, kv))
+    seg, prefix = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    seg[0, :70], seg[0, 70:700] = 1, 2
     seg[1, :] = 1
-    mask = segment_mask(jnp.asarray(seg))
+    if shared:
+        seg[0, 400:700] = 3
+        prefix[0, 70:700] = 1
+    mask = segment_mask(jnp.asarray(seg), jnp.asarray(prefix) if shared else None)
+    m = np.asarray(mask)[:, 0]
+    s = np.einsum("btnh,bsnh->bnts", q.astype(np.float64), np.repeat(k, n // kv, axis=2).astype(np.float64)) * 0.3
+    s = np.where(m[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), np.repeat(v, n // kv, axis=2))
+    return q, k, v, mask, want
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["segments", "shared-prefix"])
+def test_causal_blocks_equal_plain_attention_forward_and_backward(shared):
+    """The CPU and TPU attention skips the key blocks above the diagonal and writes its own
+    gradient (probabilities recomputed from the log-sum-exp): on packed rows, plain or with a
+    shared prompt, its output equals a float64 numpy softmax and its gradients equal autodiff
+    through a plain softmax over all T x T scores."""
+    from arlopti_jax.models.decoder import _causal_blocks
+
+    q, k, v, mask, want = _attention_case(shared, jnp.float32)
+    b, t, n, h = q.shape
+    kv = k.shape[2]
 
     def plain(q, k, v):
         qh = q.transpose(0, 2, 1, 3).reshape(b, kv, n // kv, t, h)
@@ -264,15 +287,42 @@ def test_causal_blocks_equal_plain_attention_forward_and_backward():
         p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -1e30), axis=-1)
         return jnp.einsum("bkgts,bskh->bkgth", p, v).reshape(b, n, t, h).transpose(0, 2, 1, 3)
 
-    m = np.asarray(mask)[:, 0]  # numpy float64 reference of the output
-    s = np.einsum("btnh,bsnh->bnts", q.astype(np.float64), np.repeat(k, n // kv, axis=2).astype(np.float64)) * 0.3
-    s = np.where(m[:, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), np.repeat(v, n // kv, axis=2))
     got = jax.jit(lambda *a: _causal_blocks(*a, mask, 0.3))(*(jnp.asarray(x) for x in (q, k, v)))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
-    w = rng.normal(0, 1, (b, t, n, h)).astype(np.float32)
+    w = np.random.default_rng(1).normal(0, 1, (b, t, n, h)).astype(np.float32)
     grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(*(jnp.asarray(x) for x in (q, k, v)))
              for f in (lambda *a: _causal_blocks(*a, mask, 0.3), plain)]
     for g_blocked, g_plain in zip(*grads):
         np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_plain), atol=2e-5)
+
+
+def test_causal_blocks_in_bfloat16_stay_within_its_rounding():
+    """In bfloat16 (probabilities and score gradients rounded to it, as the TPU runs them), the
+    output and the gradients stay as close to float32 autodiff as autodiff through bfloat16
+    softmax attention does (the rounding a bfloat16 model has anyway), within 1.5x."""
+    from arlopti_jax.models.decoder import _causal_blocks
+
+    q, k, v, mask, _ = _attention_case(True, jnp.bfloat16)
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    w = jnp.asarray(np.random.default_rng(1).normal(0, 1, (b, t, n, h)), jnp.float32)
+
+    def plain(q, k, v):
+        qh = q.transpose(0, 2, 1, 3).reshape(b, kv, n // kv, t, h)
+        s = jnp.einsum("bkgth,bskh->bkgts", qh, k, preferred_element_type=jnp.float32) * 0.3
+        p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -1e30), axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgts,bskh->bkgth", p, v).reshape(b, n, t, h).transpose(0, 2, 1, 3)
+
+    def run(f, dtype):
+        args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w)
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(lambda *a: (f(*a), *jax.grad(loss, argnums=(0, 1, 2))(*a)))(*args)
+
+    exact = run(plain, jnp.float32)
+    errors = {name: [float(jnp.linalg.norm(a.astype(jnp.float32) - e) / jnp.linalg.norm(e))
+                     for a, e in zip(run(f, jnp.bfloat16), exact)]
+              for name, f in (("blocks", lambda *a: _causal_blocks(*a, mask, 0.3)), ("autodiff", plain))}
+    for got, ref in zip(errors["blocks"], errors["autodiff"]):
+        assert got < 1.5 * ref, errors
+        assert got < 2e-2, errors

@@ -125,24 +125,79 @@ def _causal_blocks(q: Array, k: Array, v: Array, mask: Array, scale: float) -> A
     head batched together); rows of 512 slots or more run their queries in blocks of about 256
     (at most 8) that each attend only to the keys up to their last slot, so most scores above the
     diagonal are never computed (XLA's own lowering computes, writes and reads all T x T of them,
-    forward and backward). On the CPU, forward and backward over 2 rows of 640 (2 blocks): 47 ms
-    against 53 ms unblocked; 1 row of 1,536 (6 blocks): 118 ms against 236 ms. Smaller blocks
-    run faster still (8 rows of 192 in 6 blocks: 10-13 ms against 16-21 ms; transformers' fused
-    CPU attention 10-14 ms) but every block adds to the compilation: blocks of 96 made the
-    embedded default's update compile 53 s instead of 31 s for 0.2 s less per step, a loss over
-    its 30 steps (docs/benchmarks.md)."""
+    forward and backward). The gradient is written out (``_blocks``): the forward keeps only the
+    output and each query's log-sum-exp, and the backward recomputes a block's probabilities from
+    them, as fused attention kernels do, instead of autodiff saving and re-reading float32
+    probabilities and the softmax's intermediates.
+
+    Forward and backward against autodiff through the same blocks (docs/benchmarks.md): on the
+    CPU in float32, 2 rows of 640 (2 blocks) 14.6 ms against 27.2, 1 row of 1,536 (6 blocks) 116
+    against 230, 8 rows of 192 (1 block) 28 against 33; XLA:TPU's estimate of a 3B layer at 4,544
+    tokens, 22.2 ms against 27.0. Smaller blocks run faster on the CPU but every block adds to the
+    compilation: blocks of 96 made the embedded default's update compile 53 s instead of 31 s for
+    0.2 s less per step, a loss over its 30 steps."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     qh = q.transpose(0, 2, 1, 3).reshape(b, kv, n // kv, t, h)
+    return _blocks(qh, k, v, mask, scale).reshape(b, n, t, h).transpose(0, 2, 1, 3)
+
+
+def _edges(t: int) -> list[int]:
     blocks = max(1, min(t // 256, 8))
-    edges = [round(t * i / blocks) for i in range(blocks + 1)]
-    outs = []
+    return [round(t * i / blocks) for i in range(blocks + 1)]
+
+
+def _block_scores(qh: Array, k: Array, mask: Array, scale: float, lo: int, hi: int) -> Array:
+    """float32 [B, K, G, hi - lo, hi]: queries lo:hi against keys :hi, scaled, masked out to the
+    float32 minimum."""
+    scores = jnp.einsum("bkgth,bskh->bkgts", qh[:, :, :, lo:hi], k[:, :hi], preferred_element_type=jnp.float32)
+    return jnp.where(mask[:, :, None, lo:hi, :hi], scores * scale, jnp.finfo(jnp.float32).min)
+
+
+def _blocks_forward(qh: Array, k: Array, v: Array, mask: Array, scale: float):
+    """qh [B, K, G, T, H], k and v [B, S, K, H] -> (out [B, K, G, T, H], residuals). Each block's
+    scores are computed twice, once for their maximum and once for the probabilities (the second
+    from a copy of the queries that XLA cannot merge with the first): a matrix product is cheap
+    next to writing and re-reading float32 scores, which is what XLA:TPU does with one."""
+    outs, lses = [], []
+    again = jax.lax.optimization_barrier(qh)
+    edges = _edges(qh.shape[3])
     for lo, hi in zip(edges, edges[1:]):
-        scores = jnp.einsum("bkgth,bskh->bkgts", qh[:, :, :, lo:hi], k[:, :hi], preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[:, :, None, lo:hi, :hi], scores * scale, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkgts,bskh->bkgth", probs, v[:, :hi]))
-    return jnp.concatenate(outs, axis=3).reshape(b, n, t, h).transpose(0, 2, 1, 3)
+        top = _block_scores(qh, k, mask, scale, lo, hi).max(axis=-1, keepdims=True)
+        weights = jnp.exp(_block_scores(again, k, mask, scale, lo, hi) - top)
+        total = weights.sum(axis=-1, keepdims=True)
+        out = jnp.einsum("bkgts,bskh->bkgth", weights.astype(v.dtype), v[:, :hi], preferred_element_type=jnp.float32)
+        outs.append((out / total).astype(v.dtype))
+        lses.append(top + jnp.log(total))
+    out = jnp.concatenate(outs, axis=3)
+    return out, (qh, k, v, mask, out, jnp.concatenate(lses, axis=3))
+
+
+def _blocks_backward(scale: float, residuals, grad: Array):
+    """With p = softmax(s): dv = p^T g, ds = p * (g v^T - rowsum(g * out)), dq = ds k * scale,
+    dk = ds^T q * scale; p recomputed from the saved log-sum-exp."""
+    qh, k, v, mask, out, lse = residuals
+    f32 = jnp.float32
+    delta = jnp.sum(grad.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
+    dq, dk, dv = [], jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
+    edges = _edges(qh.shape[3])
+    for lo, hi in zip(edges, edges[1:]):
+        probs = jnp.exp(_block_scores(qh, k, mask, scale, lo, hi) - lse[:, :, :, lo:hi])
+        g = grad[:, :, :, lo:hi]
+        dprobs = jnp.einsum("bkgth,bskh->bkgts", g, v[:, :hi], preferred_element_type=f32)
+        dscores = (probs * (dprobs - delta[:, :, :, lo:hi]) * scale).astype(qh.dtype)
+        dq.append(jnp.einsum("bkgts,bskh->bkgth", dscores, k[:, :hi], preferred_element_type=f32).astype(qh.dtype))
+        dk = dk.at[:, :hi].add(jnp.einsum("bkgts,bkgth->bskh", dscores, qh[:, :, :, lo:hi], preferred_element_type=f32))
+        dv = dv.at[:, :hi].add(jnp.einsum("bkgts,bkgth->bskh", probs.astype(v.dtype), g, preferred_element_type=f32))
+    return jnp.concatenate(dq, axis=3), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blocks(qh: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+    return _blocks_forward(qh, k, v, mask, scale)[0]
+
+
+_blocks.defvjp(_blocks_forward, _blocks_backward)
 
 
 CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "head_dim")
