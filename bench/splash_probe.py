@@ -1,6 +1,7 @@
-"""One layer's attention on a TPU, forward + backward, compiled in compile-only mode: XLA's own
-lowering (what the trainer runs today) against Pallas splash attention (causal within packed
-segments, the query heads of each KV head as one MQA call).
+"""One layer's attention on a TPU, forward + backward, compiled in compile-only mode: the
+trainer's attention (``decoder._causal_blocks``: causal query blocks with a written gradient),
+XLA's lowering of a plain softmax attention over all T x T scores, and Pallas splash attention
+(causal within packed segments, the query heads of each KV head as one MQA call).
 
     python bench/splash_probe.py [--target v5e-1] [--tokens 4608]
 
@@ -40,6 +41,7 @@ def main():
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
     from arlopti_jax import sharding as shd
+    from arlopti_jax.models import decoder
 
     target = targets.get(args.target)
     mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(target))[:1])
@@ -59,6 +61,11 @@ def main():
         p = jax.nn.softmax(jnp.where(allowed, s / np.sqrt(H), -1e30), axis=-1).astype(jnp.bfloat16)
         return jnp.einsum("kgts,ksh->kgth", p, v).reshape(N, T, H)
 
+    def blocks(q, k, v, seg):  # the trainer's layout: q [1, T, N, H], k and v [1, T, K, H]
+        out = decoder._causal_blocks(q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None],
+                                     v.transpose(1, 0, 2)[None], decoder.segment_mask(seg[None]), 1 / np.sqrt(H))
+        return out[0].transpose(1, 0, 2)
+
     def loss(f, q, k, v, seg):
         return jnp.sum(f(q, k, v, seg).astype(jnp.float32) ** 2)
 
@@ -68,7 +75,7 @@ def main():
     causal = 4 * N * H * T * T / 2 * 3.5  # QK and PV over half the pairs; the backward's five products: 3.5x
     print(f"jax {jax.__version__}; {target.label}; attention of 16 heads (2 KV) x {T} tokens, forward + backward: "
           f"{causal / 1e12:.2f} TFLOP causal; compiler figures (compile-only), not runs")
-    for name, f in (("xla", xla), ("splash", splash)):
+    for name, f in (("blocks", blocks), ("xla", xla), ("splash", splash)):
         grad = jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1, 2)))
         start = time.perf_counter()
         with shd.activate(mesh):
