@@ -208,6 +208,22 @@ def model_params(start_point: Path) -> int:
     return ModelConfig.from_pretrained(start_point / "model").num_params()
 
 
+def code_version() -> str | None:
+    """The git commit of the package's checkout that ran a record ("+changes" when tracked files
+    differ from it), or None outside a git checkout: the code a record is reproduced with."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        changed = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode:
+        return None
+    return commit.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
 class Sweep:
     """Runs, records and resumes the sweep in ``out``. As worker ``worker`` of a --jobs sweep it runs
     the runs it claims, reads ``out/results.json`` but writes only its own records file. The start
@@ -329,7 +345,7 @@ class Sweep:
         from arlopti_jax.run_setup import optimizer_steps_per_rl_step
 
         return {"lr": config.optim.lr, "mini_batch": config.train.mini_batch,
-                "optimizer_steps_per_rl_step": optimizer_steps_per_rl_step(config)}
+                "optimizer_steps_per_rl_step": optimizer_steps_per_rl_step(config), "code": code_version()}
 
     def run_jobs(self, jobs: int, worker_args: list[str]) -> dict:
         """The sweep in ``jobs`` worker processes (``python -m arlopti_jax.reproduce WORKER_ARGS

@@ -174,8 +174,11 @@ def test_quick_matched_protocol_end_to_end_and_a_cell_reproduced_from_its_record
     assert all(set(e) >= {"eval/val/sampled_acc"} for r in grid["runs"].values() for e in r["evals"])
     results = json.loads((out / "results.json").read_text())
     assert results["matched"]["lr"]["grpo_lopti"] == 1e-3 and results["matched"]["lr"]["grpo"] in (1e-4, 3e-4, 1e-3)
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(sweep.__file__).parent,
+                          capture_output=True, text=True).stdout.strip()  # "" outside a git checkout
     for name, run in results["runs"].items():
         assert run["finished"] and run["optimizer_steps_per_rl_step"] == 4, name
+        assert (run["code"] or "").startswith(head), (name, run["code"])  # the commit that ran it
         assert run["lr"] == results["matched"]["lr"][run["variant"]]
         assert any(k.startswith("eval/test_") for k in run["evals"][-1]) and run["quartile_grad_norms"]
         run_dir = out / "runs" / name
