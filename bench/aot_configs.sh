@@ -31,3 +31,6 @@ for model in 3b 7b; do
     --config.train.micro_batch=32
 done
 compile math v5p-8 "--config=configs/math.py:grpo_ar_lopti"
+# the other named topologies, fsdp over every chip, one sequence per chip per micro-batch
+compile kk3b v4-32 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.micro_batch=16
+compile kk3b v5e-256 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.micro_batch=256

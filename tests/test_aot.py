@@ -29,6 +29,21 @@ def small_config(**overrides):
     return c
 
 
+@pytest.mark.parametrize("name", [n for n in targets.TARGETS])
+def test_every_named_target_has_its_chips_on_its_hosts(name):
+    """Each target's compile-only devices: as many as the slice has chips (a v4 chip is one
+    device over its two cores, as the pod runs it), spread over its hosts (processes) evenly."""
+    target = targets.get(name)
+    found = targets.devices(target)
+    want_chips = {"v5e-1": 1, "v5e-8": 8, "v5e-16": 16, "v5e-256": 256, "v5p-8": 4, "v5p-64": 32, "v4-32": 16,
+                  "h100": 1, "h100x8": 8}[name]  # v5p and v4 names count TensorCores, two per chip
+    assert len(found) == want_chips
+    if target.platform == "tpu":
+        hosts = {d.process_index for d in found}
+        assert len(hosts) == target.hosts and all(
+            sum(d.process_index == h for d in found) == want_chips // target.hosts for h in hosts)
+
+
 def test_one_rl_step_compiles_for_a_tpu_slice():
     """Every kind of program (the length-aware schedule's, the reference log-prob pass) for v5e-8."""
     from arlopti_jax.aot.check import check

@@ -35,6 +35,7 @@ class Target:
     hbm_bytes_per_s: float
     peak_flops: float  # dense bfloat16, per chip
     chips_per_host: tuple[int, int, int] = (2, 2, 1)  # TPU host bounds
+    chip_config: str = "default"  # libtpu's chip config: "megacore" makes a v4 chip's two cores one device
 
     @property
     def label(self) -> str:
@@ -44,7 +45,8 @@ class Target:
 # Public figures: v5e 16 GiB at 819 GB/s and 197 TFLOP/s; v5p 95 GiB at 2765 GB/s and 459 TFLOP/s;
 # v4 32 GiB at 1228 GB/s and 275 TFLOP/s; H100 SXM 80 GB (79.1 GiB) at 3.35 TB/s and 989 TFLOP/s.
 # v5e and v4/v5p hosts hold 4 chips (v5e-8: one host of 8); v5p and v4 names count TensorCores
-# (two per chip).
+# (two per chip). A v4 chip runs as one JAX device over both cores (megacore), as on the pod;
+# libtpu's default chip config for v4 would make each core a device.
 _V5E = dict(platform="tpu", hbm_bytes=16 * GIB, hbm_bytes_per_s=819e9, peak_flops=197e12)
 _V5P = dict(platform="tpu", hbm_bytes=95 * GIB, hbm_bytes_per_s=2765e9, peak_flops=459e12)
 _V4 = dict(platform="tpu", hbm_bytes=32 * GIB, hbm_bytes_per_s=1228e9, peak_flops=275e12)
@@ -56,7 +58,7 @@ TARGETS = {t.name: t for t in (
     Target("v5e-256", topology="v5e:16x16", hosts=64, chips=256, **_V5E),
     Target("v5p-8", topology="v5p:2x2x1", hosts=1, chips=4, **_V5P),
     Target("v5p-64", topology="v5p:4x4x2", hosts=8, chips=32, **_V5P),
-    Target("v4-32", topology="v4:2x2x4", hosts=4, chips=16, **_V4),
+    Target("v4-32", topology="v4:2x2x4", hosts=4, chips=16, chip_config="megacore", **_V4),
     Target("h100", topology="1x1x1", hosts=1, chips=1, **_H100),
     Target("h100x8", topology="1x1x8", hosts=1, chips=8, **_H100),
 )}
@@ -120,7 +122,7 @@ def devices(target: Target) -> tuple:
     try:
         if target.platform == "tpu":
             desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
-                                                chip_config_name="default", chips_per_host_bounds=target.chips_per_host,
+                                                chip_config_name=target.chip_config, chips_per_host_bounds=target.chips_per_host,
                                                 num_slices=1, wrap=(False, False, False))
         else:
             desc = topologies.get_topology_desc(platform="cuda", target_config=SPECS.read_text(),
