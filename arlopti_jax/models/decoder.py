@@ -130,10 +130,11 @@ def _causal_blocks(q: Array, k: Array, v: Array, mask: Array, scale: float) -> A
     them, as fused attention kernels do, instead of autodiff saving and re-reading float32
     probabilities and the softmax's intermediates.
 
-    Forward and backward against autodiff through the same blocks (docs/benchmarks.md): on the
-    CPU in float32, 2 rows of 640 (2 blocks) 14.6 ms against 27.2, 1 row of 1,536 (6 blocks) 116
-    against 230, 8 rows of 192 (1 block) 28 against 33; XLA:TPU's estimate of a 3B layer at 4,544
-    tokens, 22.2 ms against 27.0. Smaller blocks run faster on the CPU but every block adds to the
+    Forward and backward against autodiff through the same blocks (bench/attention_blocks.py,
+    docs/benchmarks.md): on the CPU in float32, 2 rows of 640 (2 blocks) 9.7 ms against 24.3, 1
+    row of 1,536 (6 blocks) 125 against 212, 8 rows of 320 (1 block) 77 against 78, SmolLM2's
+    whole layer stack 1.09-1.18x faster; XLA:TPU's estimate of a 3B layer at 4,544 tokens, 22.2 ms
+    against 27.0. Smaller blocks run faster on the CPU but every block adds to the
     compilation: blocks of 96 made the embedded default's update compile 53 s instead of 31 s for
     0.2 s less per step, a loss over its 30 steps."""
     b, t, n, h = q.shape
