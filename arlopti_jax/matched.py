@@ -19,6 +19,11 @@ the learning rate, each method's best on validation (mean final sampled accuracy
 seeds; ties: greedy accuracy, then the lower rate), since the methods scale the gradient
 differently (TR-GRPO's weights are at most 1; GSPO's clip and CISPO's weights bind elsewhere).
 
+A method whose best rate is at an end of the grid is not known to have its best there: it gets
+the next rate beyond that end (the grid's spacing continued, to one significant figure: 1e-5 after
+3e-6 and 1e-5 gives 3e-5), and again while its best stays at the end, at most ``--grid-extend``
+times (``grid_extensions``); a rate still at an end after that is marked so in the report.
+
 ``--lr METHOD=RATE,...`` fixes a method's rate and skips its grid: every comparison run's
 record holds that command for its cell (``command``), which reproduces it from nothing.
 """
@@ -35,6 +40,7 @@ from arlopti_jax.matched_report import grid_table, mean_se, write_matched_report
 from arlopti_jax.sweep import MATCHED_METHODS, Sweep, base_config, run_config
 
 LR_GRID = "1e-6,3e-6,1e-5"
+GRID_EXTEND = 1
 GRID_SEEDS = "100,101"  # not the comparison's seeds: the choice is made on other samples
 COMPARISON_SEEDS = "0,1,2,3,4"
 VAL_PROMPTS = 128
@@ -142,17 +148,18 @@ class MatchedSweep(Sweep):
         return out
 
 
-def choose_lrs(grid: dict, methods: list[str], lrs: list[float], seeds: list[int]) -> dict:
+def choose_lrs(grid: dict, rates: dict[str, list[float]], seeds: list[int]) -> dict:
     """{method: {"lr": chosen, "scores": {rate: {"sampled": [mean, se, n], "greedy": [...]}}, "edge": bool}}
-    from the grid's records (their last evaluation); SystemExit if a run of the grid is missing."""
+    from the grid's records (their last evaluation) of each method's ``rates``; SystemExit if a run of
+    the grid is missing."""
     runs = grid["runs"]
-    missing = [f"{grid_name(m, lr)}/seed{s}" for m in methods for lr in lrs for s in seeds
+    missing = [f"{grid_name(m, lr)}/seed{s}" for m, lrs in rates.items() for lr in lrs for s in seeds
                if not runs.get(f"{grid_name(m, lr)}/seed{s}", {}).get("finished")]
     if missing:
         raise SystemExit(f"the learning-rate grid is missing {len(missing)} runs ({missing[0]}, ...): run the "
                          "same command again to resume it")
     out = {}
-    for m in methods:
+    for m, lrs in rates.items():
         scores = {}
         for lr in lrs:
             finals = [runs[f"{grid_name(m, lr)}/seed{s}"]["evals"][-1] for s in seeds]
@@ -163,12 +170,28 @@ def choose_lrs(grid: dict, methods: list[str], lrs: list[float], seeds: list[int
     return out
 
 
-def worker_args(args, phase: str) -> list[str]:
-    """The command line of a --jobs worker of ``phase`` (``reproduce`` adds ``--worker K``)."""
+def next_rate(lrs: list[float], best: float) -> float:
+    """The rate beyond ``best``, an end of ``lrs`` (at least 2 rates): the spacing of that end's two
+    rates continued, to one significant figure."""
+    lrs = sorted(lrs)
+    inner = lrs[-2] if best == lrs[-1] else lrs[1]
+    return float(f"{best * best / inner:.0e}")
+
+
+def grid_extensions(rates: dict[str, list[float]], choice: dict) -> dict[str, float]:
+    """{method: the next rate to try} for each method whose chosen rate is an end of its rates."""
+    return {m: next_rate(rates[m], c["lr"]) for m, c in choice.items() if c["edge"]}
+
+
+def worker_args(args, phase: str, grid_variants: list[str] | None = None) -> list[str]:
+    """The command line of a --jobs worker of ``phase`` (``reproduce`` adds ``--worker K``); a grid
+    worker is given the runs of the grid's current extension (``grid_variants``)."""
     out = ["--matched", "--phase", phase, "--out", args.out, "--scale", args.scale, "--variants", args.variants,
            "--seeds", args.seeds, "--steps", str(args.steps), "--eval-prompts", str(args.eval_prompts),
            "--diagnostics-every", str(args.diagnostics_every), "--lr-grid", args.lr_grid, "--grid-seeds",
            args.grid_seeds, "--val-prompts", str(args.val_prompts)]
+    out += ["--grid-extend", str(args.grid_extend)] + (["--grid-variants", ",".join(grid_variants)]
+                                                      if grid_variants else [])
     return out + (["--lr", args.lr] if args.lr else []) + (["--quick"] if args.quick else [])
 
 
@@ -202,23 +225,37 @@ def run(args, sizes: dict | None) -> int:
     common = dict(sizes=sizes, scale=args.scale, worker=args.worker, start_point_dir=out / "start_point",
                   optimizer_steps=steps, val_prompts=args.val_prompts)
     searched = [m for m in methods if m not in fixed]
-    grid = MatchedSweep(out / "grid", [grid_name(m, lr) for m in searched for lr in grid_lrs], grid_seeds,
-                        args.steps, args.val_prompts, diagnostics_every=0, lrs={}, test="val", **common)
+
+    def grid_sweep(variants: list[str]) -> MatchedSweep:
+        return MatchedSweep(out / "grid", variants, grid_seeds, args.steps, args.val_prompts, diagnostics_every=0,
+                            lrs={}, test="val", **common)
+
     if args.worker is not None and args.phase == "grid":
-        grid.run()
+        grid_sweep(args.grid_variants.split(",")).run()
         return 0
-    if searched and args.worker is None:
-        print(f"learning-rate grid: {len(grid.variants) * len(grid_seeds)} runs in {out / 'grid'}", file=sys.stderr)
-        if args.jobs > 1:
-            grid.run_jobs(args.jobs, worker_args(args, "grid"))
-        else:
-            grid.run()
-        if grid.problems:
-            raise SystemExit("\n".join(grid.problems) + "\nrun the same command again to resume")
-    choice = choose_lrs(grid.results, searched, grid_lrs, grid_seeds) if searched else {}
+    rates = {m: list(grid_lrs) for m in searched}
+    choice: dict = {}
+    for extension in range(args.grid_extend + 1):  # the grid, then rates beyond its ends where the best is there
+        grid = grid_sweep([grid_name(m, lr) for m in searched for lr in rates[m]])
+        if searched and args.worker is None:
+            print(f"learning-rate grid: {len(grid.variants) * len(grid_seeds)} runs in {out / 'grid'}", file=sys.stderr)
+            if args.jobs > 1:
+                grid.run_jobs(args.jobs, worker_args(args, "grid", grid.variants))
+            else:
+                grid.run()
+            if grid.problems:
+                raise SystemExit("\n".join(grid.problems) + "\nrun the same command again to resume")
+        choice = choose_lrs(grid.results, rates, grid_seeds) if searched else {}
+        beyond = grid_extensions(rates, choice)
+        if not beyond or extension == args.grid_extend:
+            break
+        print("best rate at an end of the grid, trying beyond it: " + ", ".join(
+            f"{m} {lr:g}" for m, lr in beyond.items()), file=sys.stderr)
+        for m, lr in beyond.items():
+            rates[m] = sorted(rates[m] + [lr])
     lrs = {**{m: c["lr"] for m, c in choice.items()}, **fixed}
     if args.grid_only:
-        print(grid_table(choice, grid_lrs))
+        print(grid_table(choice))
         return 0
     seeds = [int(s) for s in args.seeds.split(",")]
     comparison = MatchedSweep(out, methods, seeds, args.steps, args.eval_prompts,
@@ -229,7 +266,8 @@ def run(args, sizes: dict | None) -> int:
         return 0
     comparison.results["matched"] = {
         "optimizer_steps_per_rl_step": steps, "lr": lrs, "fixed_lr": fixed, "lr_grid": grid_lrs,
-        "grid_seeds": grid_seeds, "val_prompts": args.val_prompts, "select_by": SELECT_BY, "choice": choice}
+        "grid_extend": args.grid_extend, "grid_seeds": grid_seeds, "val_prompts": args.val_prompts,
+        "select_by": SELECT_BY, "choice": choice}
     results = comparison.run_jobs(args.jobs, worker_args(args, "final")) if args.jobs > 1 else comparison.run()
     if any(r.get("finished") for r in results["runs"].values()):
         command = "python -m arlopti_jax.reproduce " + " ".join(args.argv)
@@ -250,15 +288,22 @@ def add_arguments(ap) -> None:
                     help="with --matched: METHOD=RATE,... fixed learning rates (no grid for them)")
     ap.add_argument("--lr-grid", default=LR_GRID,
                     help="with --matched: the learning rates tried (default: %(default)s)")
+    ap.add_argument("--grid-extend", type=int, default=GRID_EXTEND,
+                    help="with --matched: a method whose best rate is an end of --lr-grid gets the next rate beyond "
+                         "it (the grid's spacing continued, e.g. 3e-5 after 3e-6,1e-5), at most this many times "
+                         "(default: %(default)s; 0: the grid as given)")
     ap.add_argument("--grid-seeds", default=GRID_SEEDS, help="with --matched: the grid's seeds (default: %(default)s)")
     ap.add_argument("--val-prompts", type=int, default=VAL_PROMPTS,
                     help="with --matched: training problems held out to choose the rates (default: %(default)s)")
     ap.add_argument("--grid-only", action="store_true", help="with --matched: stop after the grid and its choice")
     ap.add_argument("--phase", choices=("grid", "final"), default=None, help=argparse.SUPPRESS)  # a worker's sweep
+    ap.add_argument("--grid-variants", default="", help=argparse.SUPPRESS)  # a grid worker's runs
 
 
 def check_arguments(ap, args) -> None:
     """One-line errors for flags of the protocol that do not fit."""
+    if args.grid_extend < 0:
+        ap.error(f"--grid-extend {args.grid_extend}: must be >= 0")
     if not args.matched:
         used = [f for f, v in (("--lr", args.lr), ("--grid-only", args.grid_only)) if v]
         if used:

@@ -107,11 +107,13 @@ def quartile_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def grid_table(choice: dict, lrs: list[float]) -> str:
-    """Validation sampled accuracy per method and rate (mean ± standard error over the grid seeds)."""
+def grid_table(choice: dict) -> str:
+    """Validation sampled accuracy per method and rate (mean ± standard error over the grid seeds;
+    "-" where a method did not run a rate: another method's extension of the grid)."""
+    lrs = sorted({float(r) for c in choice.values() for r in c["scores"]})
     lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |", "|---" * (len(lrs) + 2) + "|"]
     for m, c in choice.items():
-        cells = [cell(c["scores"][f"{lr:g}"]["sampled"]) for lr in lrs]
+        cells = [cell(c["scores"][f"{lr:g}"]["sampled"]) if f"{lr:g}" in c["scores"] else "-" for lr in lrs]
         edge = " (edge of the grid)" if c["edge"] else ""
         lines.append(f"| {VARIANTS[m][0]} | " + " | ".join(cells) + f" | {c['lr']:g}{edge} |")
     return "\n".join(lines)
@@ -125,6 +127,9 @@ def protocol(results: dict) -> list[str]:
     per_method = "; ".join(f"{label}: mini-batch {mb}" for label, mb, _ in batches)
     steps = {s for _, _, s in batches}
     grid = matched.get("lr_grid", [])
+    extend = matched.get("grid_extend", 0)
+    beyond = (f" (where the best was an end of it, up to {extend} more rate{'s' if extend > 1 else ''} beyond that "
+              "end)" if extend else "")
     unmatched = "" if len(steps) <= 1 else f" (NOT MATCHED: {sorted(steps)})"
     metric = matched.get("select_by", "eval/avg/sampled_acc").rsplit("/", 1)[1].replace("_acc", " accuracy")
     return [
@@ -135,8 +140,8 @@ def protocol(results: dict) -> list[str]:
         f"{results['seeds']}. Held-out evaluation on at most {results.get('eval_prompts') or 'all'} test problems "
         "per test set.",
         "",
-        f"**What was not.** Each method's learning rate is its best of the grid {[f'{x:g}' for x in grid]} by final "
-        f"validation {metric} (mean over grid seeds {matched.get('grid_seeds')}; ties: greedy accuracy, then the "
+        f"**What was not.** Each method's learning rate is its best of the grid {[f'{x:g}' for x in grid]}{beyond} "
+        f"by final validation {metric} (mean over grid seeds {matched.get('grid_seeds')}; ties: greedy accuracy, then the "
         "lower rate), on the validation split, never the test set"
         + (f"; fixed by --lr: {matched['fixed_lr']}" if matched.get("fixed_lr") else "") + ".",
     ]
@@ -148,7 +153,7 @@ def write_matched_report(results: dict, grid: dict, out: Path, command: str) -> 
     if matched.get("choice"):
         lines += ["## Learning rates chosen on validation", "",
                   f"Final validation sampled accuracy (mean ± standard error over the grid seeds; {len(grid['runs'])} "
-                  "grid runs):", "", grid_table(matched["choice"], matched["lr_grid"]), ""]
+                  "grid runs):", "", grid_table(matched["choice"]), ""]
     lines += ["## Held-out accuracy", "",
               "Final evaluation, mean ± standard error over seeds (sample std / sqrt(n)):", "",
               accuracy_table(results), "",

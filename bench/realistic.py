@@ -10,7 +10,8 @@ interleaved in one run, plus the tiny-shape comparison with transformers.
 
 Workload (fixed seed): a tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV heads,
 ffn 1024, tied; or ``--shape``, a Qwen2.5 preset of ``bench/shapes.py``), ``--prompts`` x ``--n``
-responses, prompts of ``--prompt-len`` / 2 to ``--prompt-len`` tokens (left-padded to the bucket),
+responses, prompts of ``--prompt-min`` (default ``--prompt-len`` / 2) to ``--prompt-len`` tokens
+(left-padded to the bucket),
 response lengths log-normal with median ``--median`` x ``--gen-len`` (sigma 0.8), clipped to [8,
 gen-len], and ``--at-max`` of the rows at exactly gen-len; every response ends with an EOS at its
 length.
@@ -66,7 +67,10 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=2, help="timed RL steps per round (after a warm-up step)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128, help="longest prompt (tokens)")
+    ap.add_argument("--prompt-min", type=int, default=0,
+                    help="shortest prompt (default: half --prompt-len); the paper's K&K prompts are 235-344 tokens "
+                         "(SmolLM2's tokenizer, 3 to 7 people)")
     ap.add_argument("--gen-len", type=int, default=512)
     ap.add_argument("--median", type=float, default=0.15, help="median response length / gen-len")
     ap.add_argument("--at-max", type=float, default=0.06, help="share of responses at gen-len")
@@ -100,7 +104,7 @@ def workload(args):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    plens = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.prompts)
+    plens = rng.integers(args.prompt_min or args.prompt_len // 2, args.prompt_len + 1, args.prompts)
     vocab = model_dims(args)["vocab"]
     prompts = [rng.integers(3, vocab, int(p)).tolist() for p in plens]
     rows = args.prompts * args.n

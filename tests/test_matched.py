@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from arlopti_jax import matched, sweep
-from arlopti_jax.matched_report import accuracy_table, paired_table, quartile_table, write_matched_report
+from arlopti_jax.matched_report import accuracy_table, grid_table, paired_table, quartile_table, write_matched_report
 from arlopti_jax.run_setup import optimizer_steps_per_rl_step
 
 
@@ -100,20 +100,44 @@ def test_the_choice_is_the_best_mean_validation_sampled_accuracy():
     runs = {f"{matched.grid_name(m, lr)}/seed{s}": record(matched.grid_name(m, lr), s, v[i],
                                                               greedy.get((m, lr), 0.5), 0.9)
             for (m, lr), v in sampled.items() for i, s in enumerate(seeds)}
-    choice = matched.choose_lrs({"runs": runs}, ["grpo", "cispo"], lrs, seeds)
+    choice = matched.choose_lrs({"runs": runs}, {"grpo": lrs, "cispo": lrs}, seeds)
     assert choice["grpo"]["lr"] == 3e-6 and not choice["grpo"]["edge"]  # 0.45 > 0.445 > 0.25
     assert choice["cispo"]["lr"] == 3e-6  # a tie on sampled accuracy: the greedy one decides
     mean, se, n = choice["grpo"]["scores"]["3e-06"]["sampled"]
     assert (mean, n) == (pytest.approx(0.45), 2) and se == pytest.approx(np.std([0.5, 0.4], ddof=1) / math.sqrt(2))
     del runs["cispo@lr1e-05/seed101"]
     with pytest.raises(SystemExit, match=r"grid is missing 1 runs \(cispo@lr1e-05/seed101"):
-        matched.choose_lrs({"runs": runs}, ["grpo", "cispo"], lrs, seeds)
+        matched.choose_lrs({"runs": runs}, {"grpo": lrs, "cispo": lrs}, seeds)
     assert matched.parse_name("top_entropy@lr3e-06") == ("top_entropy", 3e-6)
     assert matched.parse_lrs("grpo=3e-6,gspo=1e-5") == {"grpo": 3e-6, "gspo": 1e-5}
     for bad, message in (("ppo=1e-6", "'ppo' is not one of"), ("grpo=fast", "expected METHOD=RATE"),
                          ("grpo=0", "must be > 0")):
         with pytest.raises(SystemExit, match=message):
             matched.parse_lrs(bad)
+
+
+def test_a_best_rate_at_an_end_of_the_grid_is_tried_beyond_it():
+    lrs, seeds = [1e-6, 3e-6, 1e-5], [100]
+    sampled = {("grpo", 1e-6): 0.2, ("grpo", 3e-6): 0.5, ("grpo", 1e-5): 0.7,  # best at the top
+               ("cispo", 1e-6): 0.6, ("cispo", 3e-6): 0.4, ("cispo", 1e-5): 0.1,  # at the bottom
+               ("gspo", 1e-6): 0.2, ("gspo", 3e-6): 0.5, ("gspo", 1e-5): 0.3}  # inside
+    runs = {f"{matched.grid_name(m, lr)}/seed100": record(matched.grid_name(m, lr), 100, v, 0.5, 0.9)
+            for (m, lr), v in sampled.items()}
+    rates = {m: list(lrs) for m in ("grpo", "cispo", "gspo")}
+    choice = matched.choose_lrs({"runs": runs}, rates, seeds)
+    assert [choice[m]["edge"] for m in rates] == [True, True, False]
+    assert matched.grid_extensions(rates, choice) == {"grpo": 3e-5, "cispo": 3e-7}  # 1e-5 * (1e-5 / 3e-6), 1 digit
+    assert matched.next_rate([1e-4, 3e-4], 3e-4) == 9e-4 and matched.next_rate([1e-6, 1e-5, 1e-4], 1e-6) == 1e-7
+    # the extended grid: grpo's new rate is the best, so it is chosen; a missing extension run is refused
+    rates["grpo"].append(3e-5)
+    runs["grpo@lr3e-05/seed100"] = record("grpo@lr3e-05", 100, 0.8, 0.5, 0.9)
+    choice = matched.choose_lrs({"runs": runs}, {"grpo": rates["grpo"], "gspo": rates["gspo"]}, seeds)
+    assert choice["grpo"]["lr"] == 3e-5 and choice["grpo"]["edge"] and choice["gspo"]["lr"] == 3e-6
+    table = table_rows(grid_table(choice))
+    assert table["GRPO"] == ["0.200 (n=1)", "0.500 (n=1)", "0.700 (n=1)", "0.800 (n=1)", "3e-05 (edge of the grid)"]
+    assert table["GSPO"][3] == "-"  # gspo did not run 3e-5
+    with pytest.raises(SystemExit, match=r"grid is missing 1 runs \(cispo@lr3e-07/seed100"):
+        matched.choose_lrs({"runs": runs}, {"cispo": rates["cispo"] + [3e-7]}, seeds)
 
 
 def table_rows(table: str) -> dict[str, list[str]]:
@@ -163,17 +187,22 @@ def run_quick_matched(out: Path, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=1800)
 
 
-@pytest.mark.slow  # 9 tiny runs and a repeat of one: about 7 minutes on 2 cores
+@pytest.mark.slow  # 9 or 10 tiny runs in 2 worker processes and a repeat of one: about 2 minutes on 2 cores
 def test_quick_matched_protocol_end_to_end_and_a_cell_reproduced_from_its_record(tmp_path):
     out = tmp_path / "m"
     proc = run_quick_matched(out, "--variants", "grpo,grpo_lopti,top_entropy", "--seeds", "0,1", "--lr-grid",
-                             "1e-4,3e-4,1e-3", "--grid-seeds", "100", "--lr", "grpo_lopti=1e-3,top_entropy=3e-4")
+                             "1e-4,3e-4,1e-3", "--grid-seeds", "100", "--lr", "grpo_lopti=1e-3,top_entropy=3e-4",
+                             "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     grid = json.loads((out / "grid" / "results.json").read_text())
-    assert sorted(grid["runs"]) == [f"grpo@lr{lr}/seed100" for lr in ("0.0001", "0.0003", "0.001")]
     assert all(set(e) >= {"eval/val/sampled_acc"} for r in grid["runs"].values() for e in r["evals"])
+    # the grid, and one rate beyond its end if GRPO's best of the three was there (--grid-extend 1)
+    first = matched.choose_lrs(grid, {"grpo": [1e-4, 3e-4, 1e-3]}, [100])["grpo"]
+    rates = [1e-4, 3e-4, 1e-3] + ([matched.next_rate([1e-4, 3e-4, 1e-3], first["lr"])] if first["edge"] else [])
+    assert sorted(grid["runs"]) == sorted(f"{matched.grid_name('grpo', lr)}/seed100" for lr in rates)
     results = json.loads((out / "results.json").read_text())
-    assert results["matched"]["lr"]["grpo_lopti"] == 1e-3 and results["matched"]["lr"]["grpo"] in (1e-4, 3e-4, 1e-3)
+    chosen = matched.choose_lrs(grid, {"grpo": rates}, [100])["grpo"]["lr"]
+    assert results["matched"]["lr"] == {"grpo": chosen, "grpo_lopti": 1e-3, "top_entropy": 3e-4}
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(sweep.__file__).parent,
                           capture_output=True, text=True).stdout.strip()  # "" outside a git checkout
     for name, run in results["runs"].items():
