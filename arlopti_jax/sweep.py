@@ -209,8 +209,9 @@ def model_params(start_point: Path) -> int:
 
 
 def code_version() -> str | None:
-    """The git commit of the package's checkout that ran a record ("+changes" when tracked files
-    differ from it), or None outside a git checkout: the code a record is reproduced with."""
+    """The git commit of the package's checkout ("+changes" when tracked files differ from it), or
+    None outside a git checkout: read when a sweep starts (``Sweep.code``), since a commit made
+    while it runs is not the code it runs."""
     here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
@@ -236,6 +237,7 @@ class Sweep:
         self.start_point_dir = start_point_dir or out / "start_point"
         self.eval_prompts, self.sizes, self.diagnostics_every = eval_prompts, sizes, diagnostics_every
         self.scale, self.worker = scale, worker
+        self.code = code_version()  # the records' code: this process's, not a later checkout's
         self.drop_checkpoints = False  # a finished run's checkpoints are deleted once it is recorded
         self.results_path = out / "results.json"
         self.results = json.loads(self.results_path.read_text()) if self.results_path.is_file() else {"runs": {}}
@@ -345,7 +347,7 @@ class Sweep:
         from arlopti_jax.run_setup import optimizer_steps_per_rl_step
 
         return {"lr": config.optim.lr, "mini_batch": config.train.mini_batch,
-                "optimizer_steps_per_rl_step": optimizer_steps_per_rl_step(config), "code": code_version()}
+                "optimizer_steps_per_rl_step": optimizer_steps_per_rl_step(config), "code": self.code}
 
     def run_jobs(self, jobs: int, worker_args: list[str]) -> dict:
         """The sweep in ``jobs`` worker processes (``python -m arlopti_jax.reproduce WORKER_ARGS
