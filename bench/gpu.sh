@@ -6,6 +6,7 @@
 #                                 # beside the compile-only figures of docs/benchmarks.md (same card, same shapes)
 #   bash bench/gpu.sh shared      # issue 29: the shared-prefix exactness tests on the GPU (float32, highest
 #                                 # precision; single-device layouts) and the realistic step shared vs unshared
+#                                 # (0.5B, the K&K prompt lengths: 235-344 tokens)
 #   bash bench/gpu.sh decode      # sampler compile time; train-step MFU; cuDNN probe
 #   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
@@ -85,7 +86,7 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest run shared_prefix_tests 150 -m pytest -q -p no:cacheprovider -m "not slow" \
       tests/test_shared_prefix.py -k "not data and not fsdp4xtensor2"
     run realistic_shared_0.5b 290 bench/realistic.py --compare-shared --skip-tiny --rounds 1 --steps 1 --shape 0.5b \
-      --dtype bfloat16 --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8
+      --dtype bfloat16 --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 --micro 8
     ;;
   rlstep)
     setup
@@ -94,12 +95,12 @@ case "${1:-}" in
     run logprob_gap_1.5b 150 bench/logprob_gap.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 \
       --logit-scale 1,3 --micro-tokens 2048
     run realistic_0.5b 260 bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 0.5b \
-      --dtype bfloat16 --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8
+      --dtype bfloat16 --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 --micro 8
     ;;
   big)
     setup
     run realistic_1.5b 560 bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 1.5b \
-      --dtype bfloat16 --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8
+      --dtype bfloat16 --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 --micro 8
     ;;
   repro)
     setup
