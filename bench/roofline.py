@@ -318,6 +318,24 @@ def train(args) -> None:
               f"{model / (estimate * target.peak_flops):.1%} (compiler figures, extrapolated)")
 
 
+def compile_accumulate(step, mesh, params, host: dict):
+    """``step._accumulate`` (a ``TrainStep``) compiled for abstract ``params`` and the abstract
+    micro-batch of ``host`` (``packing.gather``'s arrays, row-sharded): (compiled, its abstract
+    arguments, compile seconds)."""
+    import jax
+
+    from arlopti_jax import sharding as shd
+
+    mb = {k: spec(v.shape, v.dtype, step.row_sharding) for k, v in host.items()}
+    with shd.activate(mesh):
+        acc = jax.eval_shape(step._zeros, params)
+        acc = jax.tree.map(lambda a, s: spec(a.shape, a.dtype, s), acc, step._zeros.lower(params).compile()
+                           .output_shardings)
+        start = time.perf_counter()
+        compiled = step._accumulate.lower(params, acc, mb).compile()
+    return compiled, (params, acc, mb), time.perf_counter() - start
+
+
 def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
     """Compile one micro-batch of ``cfg`` for ``target`` and print its figures; returns (the
     compiler's estimate in seconds or nan, model FLOPs per device)."""
@@ -325,7 +343,6 @@ def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
     import numpy as np
 
     from arlopti_jax import algos
-    from arlopti_jax import sharding as shd
     from arlopti_jax.algos import packing
     from arlopti_jax.aot import hlo
     from arlopti_jax.models import abstract_params, param_shardings
@@ -343,17 +360,10 @@ def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
     host = packing.gather(plan[0], {"input_ids": attention}, {
         "old_logprobs": floats, "advantages": floats, "loss_mask": response, "response_mask": response,
         "agg_weight": floats, "target_ids": attention})
-    mb = {k: spec(v.shape, v.dtype, step.row_sharding) for k, v in host.items()}
     old = policy.DIRECT_LOGITS_BYTES
     policy.DIRECT_LOGITS_BYTES = 1 << 62  # the vocabulary projection in one piece: a loop-free program
     try:
-        with shd.activate(mesh):
-            acc = jax.eval_shape(step._zeros, params)
-            acc = jax.tree.map(lambda a, s: spec(a.shape, a.dtype, s), acc, step._zeros.lower(params).compile()
-                               .output_shardings)
-            start = time.perf_counter()
-            compiled = step._accumulate.lower(params, acc, mb).compile()
-            seconds = time.perf_counter() - start
+        compiled, (params, acc, mb), seconds = compile_accumulate(step, mesh, params, host)
     finally:
         policy.DIRECT_LOGITS_BYTES = old
     cost = compiled.cost_analysis() or {}

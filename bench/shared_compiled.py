@@ -82,12 +82,7 @@ def main() -> int:
                     host = packing.gather(mb, {"input_ids": ids}, targets_of)
                     key = tuple(sorted((k, v.shape) for k, v in host.items()))
                     if key not in compiled_by_shape:
-                        arrays = {k: roofline.spec(v.shape, v.dtype, step.row_sharding) for k, v in host.items()}
-                        with shd.activate(mesh):
-                            acc = jax.eval_shape(step._zeros, params)
-                            acc = jax.tree.map(lambda a, s: roofline.spec(a.shape, a.dtype, s), acc,
-                                               step._zeros.lower(params).compile().output_shardings)
-                            compiled = step._accumulate.lower(params, acc, arrays).compile()
+                        compiled = roofline.compile_accumulate(step, mesh, params, host)[0]
                         cost = compiled.cost_analysis() or {}
                         compiled_by_shape[key] = hlo.tpu_estimate(cost.get("optimal_seconds"),
                                                                   compiled.as_text()) or float("nan")

@@ -21,24 +21,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import realistic  # noqa: E402
+from packing_plan import dense_masks  # noqa: E402
 from shapes import model_config  # noqa: E402
 
 from arlopti_jax.algos import packing  # noqa: E402
 
 
 def dense_batch(args):
-    """(input_ids, attention_mask, response_mask) [B, P + G] of the workload: left-padded prompts,
+    """(prompts, response lengths, input_ids, attention_mask, response_mask) of the workload, the
+    arrays [B, P + G] as ``packing_plan.dense_masks`` lays them out: left-padded prompts,
     right-padded responses, each group's n rows with one prompt."""
     prompts, lengths = realistic.workload(args)
-    width, rows = args.prompt_len + args.gen_len, args.prompts * args.n
-    ids = np.zeros((rows, width), np.int64)
-    attention, response = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
-    for b in range(rows):
-        prompt, n = prompts[b // args.n], int(lengths[b])
-        ids[b, args.prompt_len - len(prompt):args.prompt_len] = prompt
-        ids[b, args.prompt_len:args.prompt_len + n] = 3 + b  # response tokens: any ids
-        attention[b, args.prompt_len - len(prompt):args.prompt_len + n] = 1
-        response[b, args.prompt_len:args.prompt_len + n] = 1
+    attention, response = dense_masks(np.repeat([len(p) for p in prompts], args.n), lengths, args.prompt_len,
+                                      args.gen_len)
+    ids = np.zeros(attention.shape, np.int64)
+    for b, prompt in enumerate(np.repeat(np.arange(len(prompts)), args.n)):
+        ids[b, args.prompt_len - len(prompts[prompt]):args.prompt_len] = prompts[prompt]
+    ids[response > 0] = 3 + np.nonzero(response)[0]  # response tokens: any ids (a row's own)
     return prompts, lengths, ids, attention, response
 
 
