@@ -232,3 +232,58 @@ def test_a_growth_or_compaction_that_does_not_fit_is_told_to_decode_in_one_phase
         assert "two KV caches" in text and "rollout.phase_tokens=rollout.max_response_length" in text
     assert "phase_tokens" not in advice("rollout", False, "decode rows=64 slots=4544")
     assert advice("rollout", True, "grow rows=64 slots=2496").startswith("the resident state dominates")
+
+
+def test_hlo_flops_of_an_h100_program_equal_the_products_it_computes():
+    """XLA:GPU compile-only gives no cost analysis; ``Module.flops`` counts the matrix products of
+    the optimized HLO. Forward and backward of cuDNN's masked attention and a projection, compiled
+    for an H100, against the count by hand: attention 4 B N T S H forward and 10 B N T S H backward
+    (scores, output; recomputed scores, dP, dV, dQ, dK), the projection 2 T D F forward and twice
+    that backward (dX and dW); and a dot inside a known-trip-count loop counted per trip."""
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax.aot import hlo
+
+    b, t, n, kv, h, f = 2, 256, 4, 2, 64, 384
+    d = n * h
+    mesh_device = targets.devices(targets.get("h100"))[0]
+    sharding = jax.sharding.SingleDeviceSharding(mesh_device)
+
+    def loss(q, k, v, w, mask):
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        return jnp.sum(jnp.square((out.reshape(b * t, d) @ w).astype(jnp.float32)))  # dY varies: dX is a product
+
+    shapes = [(b, t, n, h), (b, t, kv, h), (b, t, kv, h), (d, f)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in shapes]
+    args.append(jax.ShapeDtypeStruct((b, 1, t, t), jnp.bool_, sharding=sharding))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    module = hlo.Module(grad.lower(*args).compile().as_text())
+    attention = (4 + 10) * b * n * t * t * h
+    projection = 3 * 2 * (b * t) * d * f
+    assert module.flops() == pytest.approx(attention + projection, rel=0.01)
+
+    loop = """HloModule m
+
+%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,16]{1,0} constant({...})
+  %y = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %r = (s32[], f32[8,16]{1,0}) tuple(%i, %y)
+}
+
+%cond (c: (s32[], f32[8,16])) -> pred[] {
+  %c = (s32[], f32[8,16]{1,0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8,16]) -> (s32[], f32[8,16]) {
+  %a = f32[8,16]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %a)
+  ROOT %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+    assert hlo.Module(loop).flops() == 5 * 2 * 8 * 16 * 16

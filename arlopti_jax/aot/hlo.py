@@ -49,6 +49,11 @@ class Instruction:
         m = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
         return m.group(1) if m else None
 
+    def attr_set(self, key: str) -> str:
+        """The text of a ``key={...}`` attribute ('' if absent): a dot's contracting dimensions."""
+        m = re.search(rf"\b{key}=\{{([^}}]*)\}}", self.attrs)
+        return m.group(1) if m else ""
+
 
 def _balanced(text: str, start: int) -> int:
     """Index just past the parenthesis group opening at ``start``."""
@@ -223,6 +228,41 @@ class Module:
                 total += shape_bytes(inst.shape) + sum(shape_bytes(outer[o].shape) for o in inst.operands if o in outer)
         return total
 
+    def flops(self, comp: str | None = None) -> float:
+        """Matrix FLOPs of one execution of ``comp`` (default: the entry), where a compiler reports
+        none (XLA:GPU compile-only): every ``dot`` (inside fusions too) at 2 x its output's elements
+        x its contracted size, and cuDNN's fused attention at 4 B N T S H forward and 10 B N T S H
+        backward (two and five [T, S] x H products; with a bias or mask operand it computes every
+        pair). Elementwise work is not counted. While loops with a known trip count count their
+        body that many times; others once."""
+        comp = comp or self.entry
+        total = 0.0
+        for inst in self.comps[comp]:
+            found = re.search(r'custom_call_target="([^"]*)"', inst.attrs) if inst.opcode == "custom-call" else None
+            target = found.group(1) if found else ""
+            if inst.opcode == "while":
+                total += self.flops(inst.attr("body")) * (trip_count(inst, self.comps) or 1)
+            elif inst.opcode in ("call", "conditional", "fusion"):
+                called = inst.attr("calls") or inst.attr("to_apply") or inst.attr("true_computation")
+                total += self.flops(called) if called in self.comps else 0.0
+            elif inst.opcode == "dot" or "$gemm" in target or "$matmul" in target:
+                lhs = self.by_name[comp].get(inst.operands[0])
+                dims = [int(d) for d in _ARRAY.search(lhs.shape).group(2).split(",") if d] if lhs else []
+                if inst.opcode == "dot":
+                    axes = inst.attr_set("lhs_contracting_dims")
+                else:  # cuBLAS: the dimension numbers are in the backend config
+                    m = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', inst.attrs)
+                    axes = m.group(1) if m else ""
+                contracted = math.prod(dims[int(i)] for i in re.findall(r"\d+", axes))
+                total += 2 * _elements(inst.shape) * contracted
+            elif inst.opcode == "custom-call" and "fmha" in target:
+                m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', inst.attrs)
+                head = _ARRAY.search(inst.shape)  # the first result: the output (forward) or dQ, [..., H]
+                if m and head:
+                    pairs = math.prod(int(d) for d in re.findall(r"\d+", m.group(1)))  # B N T S
+                    total += (10 if "Backward" in target else 4) * pairs * int(head.group(2).split(",")[-1])
+        return total
+
     def loops(self, comp: str | None = None) -> list[tuple[Instruction, str]]:
         """Every while instruction reachable from ``comp`` (default: the entry), with the
         computation holding it, outermost first."""
@@ -252,6 +292,12 @@ class Module:
                     out[kind]["count"] += times
                     out[kind]["bytes"] += times * _result_bytes(inst)
         return out
+
+
+def _elements(shape: str) -> int:
+    """Elements of an HLO array shape (a tuple's first array)."""
+    m = _ARRAY.search(shape)
+    return math.prod(int(d) for d in m.group(2).split(",") if d) if m else 0
 
 
 def _param_number(inst: Instruction) -> int | None:
