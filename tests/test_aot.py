@@ -74,6 +74,7 @@ def test_one_rl_step_compiles_for_an_h100():
     assert names == ["sampling", "prefill", "start", "decode", "zeros", "accumulate", "apply"] and record["fits"]
     accumulate = next(p for p in record["programs"] if p["name"].startswith("accumulate"))
     assert accumulate["hlo_bytes"] > 0 and accumulate["flops"] is None and not accumulate["collectives"]
+    assert accumulate["hlo_flops"] > 0  # counted from the HLO (Module.flops; its own test below)
     decode = next(p for p in record["programs"] if p["name"].startswith("decode"))
     assert decode["gpu"]["loops"] and decode["gpu"]["loops"][0]["kernels"] + decode["gpu"]["loops"][0][
         "command_buffers"] > 0, decode["gpu"]

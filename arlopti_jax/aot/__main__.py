@@ -61,7 +61,12 @@ def format_record(record: dict) -> str:
              f"{'TFLOP':>8s} {'GB read+written':>15s} {'estimate ms':>11s}  collectives (count, GB)"]
     for p in record["programs"]:
         m = p["memory"]
-        flops = f"{p['flops'] / 1e12:8.2f}" if p["flops"] and p["loop_free"] else f"{'-':>8s}"
+        if p["flops"] and p["loop_free"]:  # XLA:TPU's cost analysis
+            flops = f"{p['flops'] / 1e12:8.2f}"
+        elif p["flops"] is None and p.get("hlo_flops"):  # a GPU: the HLO's matrix FLOPs
+            flops = f"{p['hlo_flops'] / 1e12:7.2f}*"
+        else:
+            flops = f"{'-':>8s}"
         moved = f"{p['hlo_bytes'] / 1e9:15.2f}"
         estimate = f"{p['estimate_s'] * 1e3:11.2f}" if p["estimate_s"] else f"{'-':>11s}"
         coll = ", ".join(f"{k} {v['count']} ({v['bytes'] / 1e9:.2f})" for k, v in p["collectives"].items()) or "-"
@@ -74,8 +79,9 @@ def format_record(record: dict) -> str:
                  f"{record['device_memory_bytes'] / targets.GIB:.1f} GiB: {fits}; {len(record['programs'])} programs "
                  f"compiled in {record['compile_s']:.1f} s")
     lines.append("(compiler figures for the target, not a run: GiB and GB per device; TFLOP and the estimate from "
-                 "XLA's cost analysis, for programs without loops; GB read+written counted from the optimized HLO, "
-                 "layer loops multiplied, a decode loop's body once: one decode step)")
+                 "XLA's cost analysis, for programs without loops; TFLOP* (GPU, which has no cost analysis) the matrix "
+                 "FLOPs and GB read+written counted from the optimized HLO, layer loops multiplied, a decode loop's "
+                 "body once: one decode step)")
     return "\n".join(lines)
 
 

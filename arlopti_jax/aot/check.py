@@ -17,8 +17,9 @@ Batches are the worst case: every prompt at ``data.max_prompt_length`` and every
 the step's memory peak; shorter sequences pack into the same budget or a smaller shape).
 
 Per program: compile seconds, the compiler's per-device memory (arguments, outputs,
-temporaries, aliased), flops and bytes accessed (XLA:TPU's cost analysis; on a GPU the bytes are
-counted from the optimized HLO, ``hlo.Module``), the compiler's time estimate (TPU; only for
+temporaries, aliased), flops and bytes accessed (XLA:TPU's cost analysis; on a GPU, which reports
+none, the matrix FLOPs and the bytes are counted from the optimized HLO, ``hlo.Module``, layer
+loops multiplied), the compiler's time estimate (TPU; only for
 programs without loops, where it is meaningful; ``hlo.tpu_estimate`` removes libtpu's -1 s per
 ``ConcatBitcast`` call), and the collectives in the optimized HLO.
 The step's per-device peak adds what stays resident across programs (parameters, optimizer
@@ -64,6 +65,7 @@ class Program:
     bytes_accessed: float | None  # likewise
     estimate_s: float | None  # XLA:TPU's time estimate, loop-free programs only
     hlo_bytes: float  # the optimized HLO's memory traffic, loops with a known trip count multiplied
+    hlo_flops: float  # the optimized HLO's matrix FLOPs (``hlo.Module.flops``), likewise: a GPU's only count
     loop_free: bool
     collectives: dict
     peak: int = 0  # bytes per device while this program runs (resident state included)
@@ -152,7 +154,7 @@ class Compiler:
             name=name, group=self.group, compile_s=round(seconds, 2), memory=memory, resident_args=resident,
             flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
             estimate_s=hlo.tpu_estimate(estimate, text) if loop_free else None,
-            hlo_bytes=module.bytes(), loop_free=loop_free,
+            hlo_bytes=module.bytes(), hlo_flops=module.flops(), loop_free=loop_free,
             collectives={k: v for k, v in module.collectives().items() if v["count"]})
         program.peak = self.resident - resident + memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
         if self.dump is not None:
