@@ -246,8 +246,11 @@ class Module:
                 called = inst.attr("calls") or inst.attr("to_apply") or inst.attr("true_computation")
                 total += self.flops(called) if called in self.comps else 0.0
             elif inst.opcode == "dot" or "$gemm" in target or "$matmul" in target:
-                lhs = self.by_name[comp].get(inst.operands[0])
-                dims = [int(d) for d in _ARRAY.search(lhs.shape).group(2).split(",") if d] if lhs else []
+                lhs = self.by_name[comp].get(inst.operands[0]) if inst.operands else None
+                found = _ARRAY.search(lhs.shape) if lhs else None
+                if not found:
+                    continue
+                dims = [int(d) for d in found.group(2).split(",") if d]
                 if inst.opcode == "dot":
                     axes = inst.attr_set("lhs_contracting_dims")
                 else:  # cuBLAS: the dimension numbers are in the backend config
