@@ -182,7 +182,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_names(variants: list[str], seeds: list[int]) -> list[str]:
-    return [f"{v}/seed{s}" for v in variants for s in seeds]
+    """Every variant's first seed, then every variant's second, ...: the order runs go in, so a sweep stopped
+    part-way leaves whole seeds, which pair across variants."""
+    return [f"{v}/seed{s}" for s in seeds for v in variants]
 
 
 def claim(out: Path, name: str, worker: int) -> bool:
@@ -288,8 +290,6 @@ class Sweep:
         base = base_config(self.scale)
         dtype = base.model.dtype if self.scale in PRETRAINED else scale_sizes(self.scale, self.sizes)["dtype"]
         todo = run_names(self.variants, self.seeds)
-        if self.worker is not None:  # every variant's seed 0 first: a stopped --jobs sweep leaves whole seeds
-            todo = sorted(todo, key=lambda name: int(name.split("/seed")[1]))  # stable: variants in order
         bar = tqdm(total=len(todo) * self.steps, desc="sweep", unit="step", position=0)
         for name in todo:
             variant, seed = name.split("/")[0], int(name.split("/seed")[1])
