@@ -131,8 +131,12 @@ def protocol(results: dict) -> list[str]:
     beyond = (f" (where the best was an end of it, up to {extend} more rate{'s' if extend > 1 else ''} beyond that "
               "end)" if extend else "")
     unmatched = "" if len(steps) <= 1 else f" (NOT MATCHED: {sorted(steps)})"
+    planned = len(results["variants"]) * len(results["seeds"])
+    partial = [f"**Runs: {len(runs)} of {planned} finished** (a sweep stopped part-way): a mean is over the seeds "
+               "its method has finished, a difference over the seeds both methods have.", ""]
+    partial = partial if len(runs) < planned else []
     metric = matched.get("select_by", "eval/avg/sampled_acc").rsplit("/", 1)[1].replace("_acc", " accuracy")
-    return [
+    return partial + [
         f"**What was matched.** Every run made {matched.get('optimizer_steps_per_rl_step')} optimizer steps per RL "
         f"step{unmatched} ({per_method}; Lopti's two passes each step once per mini-batch), "
         f"{results['steps']} RL steps, from the same start point, on the same training problems (the start point's, "

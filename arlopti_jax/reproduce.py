@@ -62,12 +62,14 @@ resumes the interrupted ones from their last checkpoint. One progress bar covers
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
 
 from arlopti_jax import matched
 from arlopti_jax.cli import startup_done
+from arlopti_jax.matched_report import write_matched_report
 from arlopti_jax.sweep import MATCHED_METHODS, PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
 from arlopti_jax.sweep_report import mechanism, mechanism_table, summary_table, write_report
 
@@ -82,6 +84,40 @@ def quiet_progress_bars() -> None:
             super().__init__(*args, **{**kwargs, "disable": True})
 
     tqdm.auto.tqdm = Quiet
+
+
+def report_only(args, argv: list[str]) -> int:
+    """``--report-only``: OUT's report from the runs its records mark finished; nothing runs, nothing
+    compiles. For a sweep stopped part-way, or one whose records were copied from elsewhere."""
+    out = Path(args.out)
+
+    def records(path: Path) -> dict:
+        try:
+            results = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise SystemExit(f"error: --report-only: {path} is not there: no sweep has recorded a run in "
+                             f"{out}") from None
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"error: --report-only: {path} is not a sweep's records: {err}") from None
+        if not isinstance(results, dict) or not isinstance(results.get("runs"), dict):
+            raise SystemExit(f"error: --report-only: {path} is not a sweep's records (no \"runs\")")
+        return results
+
+    results = records(out / "results.json")
+    if not any(r.get("finished") for r in results["runs"].values()):
+        raise SystemExit(f"error: --report-only: {out / 'results.json'} marks no run finished yet")
+    if args.matched != ("matched" in results):
+        raise SystemExit(f"error: --report-only: {out} holds the records of a "
+                         + ("--matched sweep: add --matched" if "matched" in results else "sweep without --matched: "
+                            "leave --matched out"))
+    command = "python -m arlopti_jax.reproduce " + " ".join(a for a in argv if a != "--report-only")
+    if args.matched:
+        grid = records(out / "grid" / "results.json") if (out / "grid" / "results.json").is_file() else {"runs": {}}
+        report = write_matched_report(results, grid, out, command)
+    else:
+        report = write_report(results, out, command)
+    print(f"wrote {report}")
+    return 0
 
 
 def startup_problem(args) -> str | None:
@@ -147,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a smoke test: a tiny start point (at any scale), 1 seed, 1 step per variant, "
                          "8 test prompts")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write OUT's report (reproduction.md, or matched.md with --matched) from the runs its "
+                         "records mark finished, and run nothing: for a sweep stopped part-way")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's index
     ap.add_argument("--start-point-only", action="store_true", help=argparse.SUPPRESS)
     matched.add_arguments(ap)
@@ -159,6 +198,8 @@ def main(argv=None) -> int:
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: must be >= 1")
     matched.check_arguments(ap, args)
+    if args.report_only:
+        return report_only(args, sys.argv[1:] if argv is None else list(argv))
     if args.worker is not None:
         quiet_progress_bars()
     problem = startup_problem(args)

@@ -153,7 +153,8 @@ def test_report_means_standard_errors_and_paired_differences_match_numpy(tmp_pat
     runs = {f"{m}/seed{s}": record(m, s, *values[m][i], norms=norms[m][i]) for m in values
             for i, s in enumerate(seeds)}
     del runs["cispo/seed3"]  # a missing run: cispo is paired with GRPO on 4 seeds
-    results = {"runs": runs, "steps": 8, "seeds": seeds, "eval_prompts": 64, "diagnostics_every": 2,
+    results = {"runs": runs, "steps": 8, "variants": list(values), "seeds": seeds, "eval_prompts": 64,
+               "diagnostics_every": 2,
                "matched": {"optimizer_steps_per_rl_step": 4, "lr": {"grpo": 3e-6, "grpo_lopti": 1e-5, "cispo": 1e-6},
                            "lr_grid": [1e-6, 3e-6, 1e-5], "grid_seeds": [100, 101], "val_prompts": 128,
                            "fixed_lr": {}, "choice": {}}}
@@ -178,6 +179,33 @@ def test_report_means_standard_errors_and_paired_differences_match_numpy(tmp_pat
     report = write_matched_report(results, {"runs": {}}, tmp_path, "reproduce --matched").read_text()
     assert "Every run made 4 optimizer steps per RL step (" in report and "NOT MATCHED" not in report
     assert "never the test set" in report and "## Gradient norm per pi_old quartile" in report
+    assert "**Runs: 14 of 15 finished** (a sweep stopped part-way)" in report
+
+
+def test_report_only_writes_the_report_of_a_stopped_sweep_from_its_records(tmp_path, capsys):
+    from arlopti_jax import reproduce
+
+    out = tmp_path / "m"
+    with pytest.raises(SystemExit, match=r"results.json is not there: no sweep has recorded a run"):
+        reproduce.main(["--matched", "--out", str(out), "--report-only"])
+    out.mkdir()
+    (out / "results.json").write_text("{")
+    with pytest.raises(SystemExit, match=r"results.json is not a sweep's records"):
+        reproduce.main(["--matched", "--out", str(out), "--report-only"])
+    runs = {f"{m}/seed{s}": record(m, s, 0.5 + 0.1 * s, 0.6, 0.9) for m in ("grpo", "cispo") for s in (0, 1)}
+    runs["cispo/seed1"]["finished"] = False  # stopped mid-run
+    results = {"runs": runs, "steps": 8, "variants": ["grpo", "cispo"], "seeds": [0, 1], "eval_prompts": 64,
+               "matched": {"optimizer_steps_per_rl_step": 4, "lr": {"grpo": 1e-5, "cispo": 1e-5}}}
+    (out / "results.json").write_text(json.dumps(results))
+    with pytest.raises(SystemExit, match="records of a --matched sweep: add --matched"):
+        reproduce.main(["--out", str(out), "--report-only"])
+    assert reproduce.main(["--matched", "--out", str(out), "--scale", "smollm2", "--report-only"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out / 'matched.md'}"
+    report = (out / "matched.md").read_text()
+    assert "Command: `python -m arlopti_jax.reproduce --matched --out " in report and "--report-only" not in report
+    assert "**Runs: 3 of 4 finished**" in report
+    assert "| CISPO | 1e-05 | 1 | 0.600 (n=1) | 0.500 (n=1) | 0.900 (n=1) |" in report  # seed 0 only
+    assert "| GRPO | 1e-05 | 2 | 0.600 ± 0.000 | 0.550 ± 0.050 | 0.900 ± 0.000 |" in report
 
 
 def run_quick_matched(out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -70,6 +70,11 @@ def test_quick_sweep_writes_the_table_and_figures(sweep):
     assert "![curves](curves.png)" in report and "Command: `python -m arlopti_jax.reproduce --quick" in report
     results = json.loads((out / "results.json").read_text())
     assert len(results["runs"]) == len(PAPER_VARIANTS) and all(r["finished"] for r in results["runs"].values())
+    # --report-only writes the same report from the records, running nothing
+    (out / "reproduction.md").unlink()
+    again = run_quick(out, "--report-only")
+    assert again.returncode == 0 and again.stdout.strip() == f"wrote {out / 'reproduction.md'}", again.stderr[-3000:]
+    assert (out / "reproduction.md").read_text() == report
 
 
 @pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
