@@ -145,7 +145,7 @@ def run_torch(args, d, prompts):
     import torch
 
     from shapes import hf_model
-    from train_step import torch_batch, torch_minibatch_step, torch_token_logprobs
+    from train_step import torch_minibatch_step, torch_token_logprobs
 
     model = hf_model(d, args.dtype, args.seed)
     ref = hf_model(d, args.dtype, args.seed).eval()

@@ -247,7 +247,7 @@ def main(argv=None) -> int:
                     f"{side} {times[f'gemms {side}'][-1]:.3f}s" for side in floors))
     assert compiles.count == warm, f"{compiles.count - warm} compilations after the warm-up"
     print("\nmedians (one interleaved run):")
-    print(f"| workload | transformers tok/s | ours tok/s | ours / transformers |\n|---|---|---|---|")
+    print("| workload | transformers tok/s | ours tok/s | ours / transformers |\n|---|---|---|---|")
     for name, (_, _, tokens) in workloads.items():
         o, t = (statistics.median(times[name][s]) for s in ("ours", "transformers"))
         print(f"| {name} | {tokens / t:,.0f} | {tokens / o:,.0f} | {t / o:.2f}x |")

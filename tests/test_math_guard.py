@@ -3,7 +3,6 @@ scores the same alone, in a batch, with any number of workers and on a repeat, a
 is never reached; ``scoring_fuzz.py`` is the adversarial set (1,200 responses)."""
 
 import glob
-import os
 import time
 
 import pytest

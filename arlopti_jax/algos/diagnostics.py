@@ -24,8 +24,6 @@ by teacher-forced passes at the loss temperature.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
