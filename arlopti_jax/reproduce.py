@@ -91,31 +91,31 @@ def report_only(args, argv: list[str]) -> int:
     compiles. For a sweep stopped part-way, or one whose records were copied from elsewhere."""
     out = Path(args.out)
 
-    def records(path: Path) -> dict:
+    def records(path: Path) -> dict | str:
         try:
             results = json.loads(path.read_text())
         except FileNotFoundError:
-            raise SystemExit(f"error: --report-only: {path} is not there: no sweep has recorded a run in "
-                             f"{out}") from None
+            return f"{path} is not there: no sweep has recorded a run in {out}"
         except (OSError, ValueError) as err:
-            raise SystemExit(f"error: --report-only: {path} is not a sweep's records: {err}") from None
+            return f"{path} is not a sweep's records: {err}"
         if not isinstance(results, dict) or not isinstance(results.get("runs"), dict):
-            raise SystemExit(f"error: --report-only: {path} is not a sweep's records (no \"runs\")")
+            return f"{path} is not a sweep's records (no \"runs\")"
         return results
 
     results = records(out / "results.json")
-    if not any(r.get("finished") for r in results["runs"].values()):
-        raise SystemExit(f"error: --report-only: {out / 'results.json'} marks no run finished yet")
-    if args.matched != ("matched" in results):
-        raise SystemExit(f"error: --report-only: {out} holds the records of a "
-                         + ("--matched sweep: add --matched" if "matched" in results else "sweep without --matched: "
-                            "leave --matched out"))
+    grid = records(out / "grid" / "results.json") if (out / "grid" / "results.json").is_file() else {"runs": {}}
+    problem = next((r for r in (results, grid) if isinstance(r, str)), None)
+    if problem is None and not any(r.get("finished") for r in results["runs"].values()):
+        problem = f"{out / 'results.json'} marks no run finished yet"
+    if problem is None and args.matched != ("matched" in results):
+        problem = f"{out} holds the records of a " + ("--matched sweep: add --matched" if "matched" in results
+                                                      else "sweep without --matched: leave --matched out")
+    if problem:
+        print(f"error: --report-only: {problem}", file=sys.stderr)
+        return 2
+    startup_done("arlopti_jax.reproduce")
     command = "python -m arlopti_jax.reproduce " + " ".join(a for a in argv if a != "--report-only")
-    if args.matched:
-        grid = records(out / "grid" / "results.json") if (out / "grid" / "results.json").is_file() else {"runs": {}}
-        report = write_matched_report(results, grid, out, command)
-    else:
-        report = write_report(results, out, command)
+    report = write_matched_report(results, grid, out, command) if args.matched else write_report(results, out, command)
     print(f"wrote {report}")
     return 0
 

@@ -100,8 +100,8 @@ def _id(example) -> str:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A folder to run the examples in: the public data's layout in miniature, a start point
-    folder where the embedded default looks for one, a model folder and a checkpoint to stand
-    in for absent ones."""
+    folder where the embedded default looks for one, a model folder, a checkpoint and a sweep's
+    records to stand in for absent ones."""
     from hf_fixtures import write_hf_model
 
     from arlopti_jax.start_point import BUILD, SCALE_FILE, compact_rows, scale_sizes, sft_target
@@ -140,7 +140,11 @@ def world(tmp_path_factory):
     (checkpoint / "meta").mkdir(parents=True)
     (checkpoint / "meta" / "metadata").write_text(json.dumps({"config": get_config().to_json(),
                                                               "model_path": str(model)}))
-    return {"root": root, "model": model, "checkpoint": checkpoint,
+    # a --matched sweep's records (what reproduce --report-only reads before its work)
+    records = root / "stand_in" / "sweep"
+    records.mkdir(parents=True)
+    (records / "results.json").write_text(json.dumps({"runs": {"grpo/seed0": {"finished": True}}, "matched": {}}))
+    return {"root": root, "model": model, "checkpoint": checkpoint, "records": records,
             "data_file": root / "data" / "kk" / "3ppl" / "train.parquet"}
 
 
@@ -176,6 +180,8 @@ def path_arguments(module: str, args: list[str], cwd: Path) -> dict[str, str]:
     train, eval and any script given a --config, those its config file names when the line does
     not (its defaults)."""
     out = {flag: v for flag in MODEL_FLAGS + DATA_FLAGS + CHECKPOINT_FLAGS if (v := _flag_value(args, flag))}
+    if module == "arlopti_jax.reproduce" and "--report-only" in args:  # --out holds the records it reads
+        out["--out"] = _flag_value(args, "--out")
     if module in ("arlopti_jax.train", "arlopti_jax.eval") or _flag_value(args, "--config"):
         from arlopti_jax.config import DEFAULT_CONFIG, load_config_file
 
@@ -205,13 +211,15 @@ def substitute(args: list[str], paths: dict[str, str], world) -> list[str]:
             new = str(world["model"])
         elif flag in CHECKPOINT_FLAGS:
             new = str(world["checkpoint"])
+        elif flag == "--out":  # a sweep's records (reproduce --report-only)
+            new = str(world["records"])
         else:  # data: the same path in the miniature layout, else one of its files
             mapped = [p[p.index("/data/") + 1:] if "/data/" in p else p for p in value.split(",")]
             new = ",".join(p if (root / p).exists() else str(world["data_file"]) for p in mapped)
         args = _set_flag(args, flag, new)
     for flag in OUTPUT_FLAGS:  # a relative run_dir stays: the default's start point is beside it
         value = _flag_value(args, flag)
-        if value is not None and value.startswith("/"):
+        if value is not None and value.startswith("/") and flag not in paths:
             args = _set_flag(args, flag, str(root / "outputs" / value.strip("/")))
     return args
 

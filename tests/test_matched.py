@@ -186,19 +186,23 @@ def test_report_only_writes_the_report_of_a_stopped_sweep_from_its_records(tmp_p
     from arlopti_jax import reproduce
 
     out = tmp_path / "m"
-    with pytest.raises(SystemExit, match=r"results.json is not there: no sweep has recorded a run"):
-        reproduce.main(["--matched", "--out", str(out), "--report-only"])
+
+    def refused(*flags: str) -> str:
+        assert reproduce.main([*flags, "--out", str(out), "--report-only"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --report-only: ") and "\n" not in err, err
+        return err
+
+    assert "results.json is not there: no sweep has recorded a run" in refused("--matched")
     out.mkdir()
     (out / "results.json").write_text("{")
-    with pytest.raises(SystemExit, match=r"results.json is not a sweep's records"):
-        reproduce.main(["--matched", "--out", str(out), "--report-only"])
+    assert "results.json is not a sweep's records" in refused("--matched")
     runs = {f"{m}/seed{s}": record(m, s, 0.5 + 0.1 * s, 0.6, 0.9) for m in ("grpo", "cispo") for s in (0, 1)}
     runs["cispo/seed1"]["finished"] = False  # stopped mid-run
     results = {"runs": runs, "steps": 8, "variants": ["grpo", "cispo"], "seeds": [0, 1], "eval_prompts": 64,
                "matched": {"optimizer_steps_per_rl_step": 4, "lr": {"grpo": 1e-5, "cispo": 1e-5}}}
     (out / "results.json").write_text(json.dumps(results))
-    with pytest.raises(SystemExit, match="records of a --matched sweep: add --matched"):
-        reproduce.main(["--out", str(out), "--report-only"])
+    assert "records of a --matched sweep: add --matched" in refused()
     assert reproduce.main(["--matched", "--out", str(out), "--scale", "smollm2", "--report-only"]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out / 'matched.md'}"
     report = (out / "matched.md").read_text()
