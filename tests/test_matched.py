@@ -224,7 +224,7 @@ def test_quick_matched_protocol_end_to_end_and_a_cell_reproduced_from_its_record
     out = tmp_path / "m"
     proc = run_quick_matched(out, "--variants", "grpo,grpo_lopti,top_entropy", "--seeds", "0,1", "--lr-grid",
                              "1e-4,3e-4,1e-3", "--grid-seeds", "100", "--lr", "grpo_lopti=1e-3,top_entropy=3e-4",
-                             "--jobs", "2")
+                             "--jobs", "2", "--grid-extend", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     grid = json.loads((out / "grid" / "results.json").read_text())
     assert all(set(e) >= {"eval/val/sampled_acc"} for r in grid["runs"].values() for e in r["evals"])
