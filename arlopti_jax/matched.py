@@ -40,7 +40,7 @@ from arlopti_jax.matched_report import grid_table, mean_se, write_matched_report
 from arlopti_jax.sweep import MATCHED_METHODS, Sweep, base_config, run_config
 
 LR_GRID = "1e-6,3e-6,1e-5"
-GRID_EXTEND = 2  # one step beyond the top was not always enough on SmolLM2 (docs/matched_smollm2/README.md)
+GRID_EXTEND = 2  # a best at an end after one step past it gets one more (on SmolLM2 one was enough)
 GRID_SEEDS = "100,101"  # not the comparison's seeds: the choice is made on other samples
 COMPARISON_SEEDS = "0,1,2,3,4"
 VAL_PROMPTS = 128
