@@ -132,9 +132,9 @@ def protocol(results: dict) -> list[str]:
               "end)" if extend else "")
     unmatched = "" if len(steps) <= 1 else f" (NOT MATCHED: {sorted(steps)})"
     planned = len(results["variants"]) * len(results["seeds"])
-    partial = [f"**Runs: {len(runs)} of {planned} finished** (a sweep stopped part-way): a mean is over the seeds "
-               "its method has finished, a difference over the seeds both methods have.", ""]
-    partial = partial if len(runs) < planned else []
+    partial = [] if len(runs) >= planned else [
+        f"**Runs: {len(runs)} of {planned} finished** (a sweep stopped part-way): a mean is over the seeds its "
+        "method has finished, a difference over the seeds both methods have.", ""]
     metric = matched.get("select_by", "eval/avg/sampled_acc").rsplit("/", 1)[1].replace("_acc", " accuracy")
     return partial + [
         f"**What was matched.** Every run made {matched.get('optimizer_steps_per_rl_step')} optimizer steps per RL "
