@@ -3,9 +3,11 @@
     python docs/matched_smollm2/sync.py OUT
 
 For the grid (OUT/grid) and the comparison (OUT): results.json, and each finished run's
-metrics.jsonl and eval.jsonl under runs/METHOD/seedK/.
+metrics.jsonl and eval.jsonl under runs/METHOD/seedK/, with its evaluations' responses
+(generations/step_S/test_arith.jsonl) gzipped beside them as generations_step_S.jsonl.gz.
 """
 
+import gzip
 import json
 import shutil
 import sys
@@ -29,5 +31,9 @@ for part in ("grid", "."):
         for name in ("metrics.jsonl", "eval.jsonl"):
             if (out / folder / name).is_file():
                 shutil.copy(out / folder / name, HERE / folder / name)
+        for responses in sorted((out / folder / "generations").glob("step_*/test_arith.jsonl")):
+            target = HERE / folder / f"generations_{responses.parent.name}.jsonl.gz"
+            with gzip.GzipFile(target, "wb", mtime=0) as f:  # mtime 0: the same bytes each sync
+                f.write(responses.read_bytes())
     shutil.copy(results, HERE / part / "results.json")
     print(f"{part}: {sum(bool(r.get('finished')) for r in record['runs'].values())} finished runs")
