@@ -7,7 +7,7 @@ from the start point, ``--batches`` rollout batches with the prompts and samplin
 ``top_entropy`` run's first steps (its config and data order). The first is that run's own step 1
 batch, whose mean reward the probe checks against the run's record when OUT holds it; the later
 ones are not the run's, whose policy has moved by then. It takes pi_old's entropy at every
-response token, marks the batch's top 20% as the rule does (``algos.prepare_updates``), and sorts
+response token, marks the batch's top 20% with the rule's own selection (``entropy_top_mask``), and sorts
 the tokens into parts of the answer template ('... The answer is \\boxed{N}.<|im_end|>'):
 
   boxed    the tokens of '\\boxed{'          answer   the boxed number and its '}'
@@ -84,7 +84,7 @@ def probe(out: Path, seed: int, batches: int, fraction: float) -> dict:
             _, entropy = run.logprobs(policy.params, batch, with_entropy=True)
             entropy = np.asarray(entropy)
             mask = batch["response_mask"].astype(bool)
-            threshold = np.quantile(entropy[mask], 1 - fraction)
+            selected = np.asarray(algos.entropy_top_mask(fraction, entropy, batch["response_mask"])) > 0
             adv = np.asarray(algos.compute_advantages(run.adv_cfg, np.asarray(sampled.rewards),
                                                       np.asarray(sampled.group_ids), batch["response_mask"]))
             first_reward = float(sampled.scores.mean()) if first_reward is None else first_reward
@@ -94,7 +94,7 @@ def probe(out: Path, seed: int, batches: int, fraction: float) -> dict:
                 rewarded = sampled.rewards[row] > 0
                 for col, name in zip(cols, names):
                     for who in ("all", "rewarded") if rewarded else ("all",):
-                        h, picked = entropy[row, col], entropy[row, col] >= threshold
+                        h, picked = entropy[row, col], selected[row, col]
                         tally[who, name] += (1, h, picked, 0)
                         mass[who, name] += (abs(adv[row, col]) * picked, abs(adv[row, col]))
     return {"tally": tally, "mass": mass, "first_reward": first_reward}
