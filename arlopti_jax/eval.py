@@ -6,7 +6,7 @@
 Without ``--checkpoint`` the model in ``config.model.path`` is evaluated. Per test file: greedy
 accuracy and reward, and from ``train.eval_n`` samples per prompt (at
 ``train.eval_temperature``) the sampled accuracy and pass@k, maj@k and mean@k for k in
-``train.eval_ks`` (definitions in ``arlopti_jax.evaluation``). Results print as a table and
+``train.eval_ks`` (definitions in ``arlopti_jax.rl.evaluation``). Results print as a table and
 are appended to ``<run_dir>/eval.jsonl``; every response, with its extracted answer and score, is
 kept in ``<run_dir>/generations/eval-<time>/<test set>.jsonl`` (``train.save_generations``).
 No training files are needed.
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import jax
 
-from arlopti_jax import distributed as dist
-from arlopti_jax import run_setup
-from arlopti_jax.cli import Command, startup_done
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.rl import run_setup
+from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG
-from arlopti_jax.evaluation import Evaluator, append_jsonl, format_table
+from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, format_table
 from arlopti_jax.tasks import load_reward_fn
 
 COMMAND = Command(
@@ -72,7 +72,7 @@ def main(argv) -> int:
                              pad_id=run_setup.pad_id(policy), total_steps=max(1, config.train.max_steps))
     params, label = policy.params, str(model_path)
     if flags.FLAGS.checkpoint:
-        from arlopti_jax.checkpoint import Checkpointer
+        from arlopti_jax.store.checkpoint import Checkpointer
 
         folder = Path(flags.FLAGS.checkpoint)
         ckpt = Checkpointer(folder.parent)
@@ -99,7 +99,7 @@ def _cli():
     from absl import flags
     from ml_collections import config_flags
 
-    from arlopti_jax.cli import parse_command_line
+    from arlopti_jax.config.cli import parse_command_line
 
     def define():
         flags.DEFINE_string("checkpoint", "", "A checkpoint step folder (…/checkpoints/<step>) to evaluate.")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import ml_collections
 
-from arlopti_jax import run_setup
-from arlopti_jax.checkpoint import Checkpointer
-from arlopti_jax.cli import startup_done
+from arlopti_jax.rl import run_setup
+from arlopti_jax.store.checkpoint import Checkpointer
+from arlopti_jax.config.cli import startup_done
 from arlopti_jax.models import save_pretrained
 
 

@@ -9,7 +9,7 @@
     python -m arlopti_jax.reproduce --scale smollm2 --matched --out OUT         # 8 methods, step-matched, own rates
 
 Every run trains the embedded default's start point (``start_point.py``, built once in
-``OUT/start_point``) on the same data with the same budget (``default_config.py``, steps set
+``OUT/start_point``) on the same data with the same budget (``embedded/default.py``, steps set
 by ``--steps``), varying only the method and the seed (the sampling seed and the data order):
 
     grpo            GRPO
@@ -67,11 +67,11 @@ import logging
 import sys
 from pathlib import Path
 
-from arlopti_jax import matched
-from arlopti_jax.cli import startup_done
-from arlopti_jax.matched_report import write_matched_report
-from arlopti_jax.sweep import MATCHED_METHODS, PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
-from arlopti_jax.sweep_report import mechanism, mechanism_table, summary_table, write_report
+from arlopti_jax.experiments import matched
+from arlopti_jax.config.cli import startup_done
+from arlopti_jax.experiments.matched_report import write_matched_report
+from arlopti_jax.experiments.sweep import MATCHED_METHODS, PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
+from arlopti_jax.experiments.sweep_report import mechanism, mechanism_table, summary_table, write_report
 
 
 def quiet_progress_bars() -> None:
@@ -125,8 +125,8 @@ def startup_problem(args) -> str | None:
     variant's run config (validated as the trainer will), and a pretrained scale's GGUF file
     (located, fetched if need be, and its metadata read) unless its start point is already built."""
     from arlopti_jax.config import ConfigError, validate
-    from arlopti_jax.sweep import PRETRAINED, run_config
-    from arlopti_jax.start_point import SCALE_FILE
+    from arlopti_jax.experiments.sweep import PRETRAINED, run_config
+    from arlopti_jax.embedded.start_point import SCALE_FILE
 
     if args.seeds is not None:
         seeds = [s.strip() for s in args.seeds.split(",")]
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     startup_done("arlopti_jax.reproduce")
-    from arlopti_jax import compile_cache
+    from arlopti_jax.runtime import compile_cache
 
     compile_cache.enable(base_config(args.scale).compile_cache_dir)  # before anything compiles; workers too
     steps = args.steps or (QUICK["steps"] if args.quick else SCALE_RUNS[args.scale]["steps"]
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     sweep = Sweep(out, args.variants.split(","), seeds, steps, eval_prompts, QUICK["sizes"] if args.quick else None,
                   args.diagnostics_every, args.scale, args.worker)
-    from arlopti_jax.start_point import StartPointMismatch
+    from arlopti_jax.embedded.start_point import StartPointMismatch
 
     try:
         if args.start_point_only:

@@ -6,7 +6,7 @@
 
 Rows hold ``prompt`` (a string or chat messages, rendered as the RL loader does) and
 ``response`` (the target text; the tokenizer's EOS is appended). The loss is the mean
-negative log-likelihood of response tokens (``arlopti_jax.supervised``); batches group rows of
+negative log-likelihood of response tokens (``arlopti_jax.finetune.supervised``); batches group rows of
 similar length, so trimming each to its longest row leaves little padding. ``tiny=True``
 builds the embedded default's start point instead: a tokenizer trained on generated K&K
 text and a small random Qwen2 model, warm-started on generated K&K worked solutions (see
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ml_collections
 
-from arlopti_jax.cli import Command, startup_done
+from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import base_config
 
 log = logging.getLogger(__name__)
@@ -73,15 +73,15 @@ COMMAND = Command(
 def main(argv) -> int:
     from absl import flags
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import load_pretrained, save_pretrained
-    from arlopti_jax.supervised import read_pairs, run_sft
+    from arlopti_jax.finetune.supervised import read_pairs, run_sft
     from arlopti_jax.tasks.data import resolve_data_files
 
     cfg = flags.FLAGS.config
     out = Path(cfg.out_dir)
     if cfg.tiny:
-        from arlopti_jax.start_point import ensure_start_point
+        from arlopti_jax.embedded.start_point import ensure_start_point
 
         startup_done(COMMAND.name)
         ensure_start_point(out, seed=cfg.seed)
@@ -119,7 +119,7 @@ def main(argv) -> int:
 def _cli():
     from ml_collections import config_flags
 
-    from arlopti_jax.cli import parse_command_line
+    from arlopti_jax.config.cli import parse_command_line
 
     define = lambda: config_flags.DEFINE_config_dict("config", sft_config(), lock_config=True)
     argv = parse_command_line(sys.argv, COMMAND, define)

@@ -18,11 +18,11 @@ import sys
 
 import jax
 
-from arlopti_jax import distributed as dist
-from arlopti_jax import run_setup
-from arlopti_jax.cli import Command, startup_done
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.rl import run_setup
+from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
-from arlopti_jax.trainer import train
+from arlopti_jax.rl.loop import train
 
 COMMAND = Command(
     name="arlopti_jax.train", doc=__doc__, default_file=DEFAULT_CONFIG,
@@ -61,7 +61,7 @@ def main(argv) -> int:
 def _cli():
     from ml_collections import config_flags
 
-    from arlopti_jax.cli import parse_command_line
+    from arlopti_jax.config.cli import parse_command_line
 
     define = lambda: config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).",
                                                      lock_config=True)

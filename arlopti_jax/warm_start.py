@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from arlopti_jax.start_point import ANSWER_OPENING, SCALE_FILE, compact_rows
+from arlopti_jax.embedded.start_point import ANSWER_OPENING, SCALE_FILE, compact_rows
 from arlopti_jax.tasks.kk import write_parquet
 
 HELD_OUT_SEED = 40  # + the start point's seed + people count; SFT uses 20, test 10, train -1
@@ -43,9 +43,9 @@ def held_out_rows(folder: Path, rows: int) -> dict[int, list[dict]]:
 def forced_accuracy(folder: str | Path, rows: int = 200) -> dict[int, tuple[float, int]]:
     """(greedy accuracy, puzzles) per people count of the start point in ``folder``, its answers
     forced into the block."""
-    from arlopti_jax import run_setup
-    from arlopti_jax.default_config import get_config
-    from arlopti_jax.evaluation import Evaluator
+    from arlopti_jax.rl import run_setup
+    from arlopti_jax.embedded.default import get_config
+    from arlopti_jax.rl.evaluation import Evaluator
     from arlopti_jax.tasks import load_reward_fn
 
     folder = Path(folder)

@@ -9,7 +9,7 @@ backward, interleaved in one process on this machine.
 Attention alone: float32 (bfloat16 with --dtype), packed rows holding two segments and padding,
 the loss a fixed random projection of the output; prints compile seconds and the best of 5 runs
 for each side, and each side's largest gradient error (relative to the largest gradient) against
-autodiff through the same blocks at float32's highest matmul precision (tests/test_model.py holds
+autodiff through the same blocks at float32's highest matmul precision (tests/models/test_model.py holds
 both to a plain softmax and to float64 numpy). Model: the hidden states' squared sum
 through ``packed_hidden_states``, the whole layer stack with each side's attention swapped in.
 """
@@ -101,7 +101,7 @@ def whole_model(folder: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import ModelConfig, decoder, init_params
     from arlopti_jax.models.policy import packed_hidden_states
 

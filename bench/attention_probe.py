@@ -100,7 +100,7 @@ def model_check() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
     from arlopti_jax.models.policy import packed_hidden_states
     from shapes import model_config

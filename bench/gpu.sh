@@ -84,7 +84,7 @@ case "${1:-}" in
   shared)
     setup
     JAX_DEFAULT_MATMUL_PRECISION=highest run shared_prefix_tests 150 -m pytest -q -p no:cacheprovider -m "not slow" \
-      tests/test_shared_prefix.py -k "not data and not fsdp4xtensor2"
+      tests/algos/test_shared_prefix.py -k "not data and not fsdp4xtensor2"
     run realistic_shared_0.5b 290 bench/realistic.py --compare-shared --skip-tiny --rounds 1 --steps 1 --shape 0.5b \
       --dtype bfloat16 --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 --micro 8
     ;;

@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from arlopti_jax import algos  # noqa: E402
-from arlopti_jax import sharding as shd  # noqa: E402
+from arlopti_jax.runtime import sharding as shd  # noqa: E402
 from arlopti_jax.models import init_params  # noqa: E402
 from arlopti_jax.rollout import Sampler, SamplingConfig  # noqa: E402
 from shapes import add_shape_flags, dims, model_config  # noqa: E402

@@ -35,9 +35,10 @@ def measure(config, responses: int) -> dict:
     import jax
     import optax
 
-    from arlopti_jax import algos, run_setup
-    from arlopti_jax.collect import Collector
-    from arlopti_jax.metrics import Timer
+    from arlopti_jax import algos
+    from arlopti_jax.rl import run_setup
+    from arlopti_jax.rl.collect import Collector
+    from arlopti_jax.store.metrics import Timer
     from arlopti_jax.tasks import load_reward_fn
 
     config.train.batch_prompts = responses // config.rollout.n
@@ -95,8 +96,8 @@ def table(m: dict) -> str:
 def main(argv) -> int:
     from absl import flags
 
-    from arlopti_jax import run_setup
-    from arlopti_jax.cli import startup_done
+    from arlopti_jax.rl import run_setup
+    from arlopti_jax.config.cli import startup_done
     from arlopti_jax.config import validate
 
     config = flags.FLAGS.config
@@ -129,7 +130,7 @@ def _cli():
     from absl import flags
     from ml_collections import config_flags
 
-    from arlopti_jax.cli import Command, parse_command_line
+    from arlopti_jax.config.cli import Command, parse_command_line
     from arlopti_jax.config import DEFAULT_CONFIG
 
     command = Command(

@@ -65,7 +65,7 @@ def per_device_params(cfg, sizes: dict[str, int]) -> int:
     """Parameter elements one device holds under the trainer's shardings."""
     import jax
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import abstract_params, param_logical_specs
 
     mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in shd.MESH_AXES), shd.MESH_AXES,

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     import realistic
     from shapes import model_config
 
-    from arlopti_jax.start_point import tiny_model_config
+    from arlopti_jax.embedded.start_point import tiny_model_config
 
     print("| workload | mean padding | 90th percentile | worst | micro-batch shapes | target slots per target |")
     print("|---|---|---|---|---|---|")

@@ -127,7 +127,7 @@ def run_worker(args) -> dict:
 
     sys.path.insert(0, str(HERE))
     from arlopti_jax import algos
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
     from arlopti_jax.rollout import Sampler, SamplingConfig
     from shapes import model_config

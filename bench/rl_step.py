@@ -87,7 +87,7 @@ def run_jax(args, d, prompts):
     import numpy as np
 
     from arlopti_jax import algos
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
     from arlopti_jax.rollout import Sampler, SamplingConfig
     from shapes import model_config

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from arlopti_jax import sharding as shd  # noqa: E402
+from arlopti_jax.runtime import sharding as shd  # noqa: E402
 from arlopti_jax.models import load_pretrained  # noqa: E402
 from arlopti_jax.rollout import Sampler, SamplingConfig  # noqa: E402
 from shapes import SHAPES, hf_model  # noqa: E402  (Qwen2.5-0.5B ... 7B dimensions)

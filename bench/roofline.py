@@ -92,7 +92,7 @@ def decode_state(cfg, mesh, rows: int, prompt: int, response: int, slots: int):
     """The decode loop's carry, abstract, with ``slots`` cache slots, replicated on a 1-device mesh."""
     import jax.numpy as jnp
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.rollout.programs import DecodeState
 
     from arlopti_jax.rollout.programs import per_layer_cache
@@ -125,7 +125,7 @@ def compile_step(cfg, mesh, params, state, sampling):
     its state donated (updated in place, as in the decode loop)."""
     import jax
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.rollout import programs
 
     with shd.activate(mesh):
@@ -146,7 +146,7 @@ def decode(args) -> None:
     setup()
     import jax
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.aot import hlo, shapes, targets
     from arlopti_jax.models import ModelConfig, abstract_params
     from arlopti_jax.rollout import Sampler, SamplingConfig
@@ -218,7 +218,7 @@ def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers
 
     import jax
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.aot import hlo
     from arlopti_jax.models import abstract_params
 
@@ -274,7 +274,7 @@ def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> str:
     import jax.numpy as jnp
 
     from arlopti_jax.aot import hlo
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
 
     folder = tempfile.mkdtemp(prefix="roofline_")
     try:
@@ -296,7 +296,7 @@ def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> str:
 
 def train(args) -> None:
     setup()
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.aot import shapes, targets
     from arlopti_jax.models import ModelConfig
 
@@ -324,7 +324,7 @@ def compile_accumulate(step, mesh, params, host: dict):
     arguments, compile seconds)."""
     import jax
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
 
     mb = {k: spec(v.shape, v.dtype, step.row_sharding) for k, v in host.items()}
     with shd.activate(mesh):

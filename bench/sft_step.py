@@ -12,7 +12,7 @@ prints steps/s per round and the ratio. Both see the same batches in the same or
 
 The start point keeps the loop although the unrolled step is faster (1.16x on 2 cores,
 2026-11-25): unrolling changes the float rounding of 600 SFT steps, and from the start point
-built that way the reduced default of ``tests/test_learning.py`` ended below its bar
+built that way the reduced default of ``tests/rl/test_learning.py`` ended below its bar
 (docs/benchmarks.md).
 """
 
@@ -36,10 +36,10 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
-    from arlopti_jax.start_point import SCALES, compact_rows, model_config, sft_target, train_tokenizer
-    from arlopti_jax.supervised import batch_schedule, make_optimizer, make_sft_step, tokenize_pairs
+    from arlopti_jax.embedded.start_point import SCALES, compact_rows, model_config, sft_target, train_tokenizer
+    from arlopti_jax.finetune.supervised import batch_schedule, make_optimizer, make_sft_step, tokenize_pairs
 
     s = SCALES["cpu"]
     batch = args.batch or s["sft_batch"]

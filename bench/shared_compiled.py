@@ -51,7 +51,7 @@ def main() -> int:
     import jax
 
     from arlopti_jax import algos
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.algos import packing
     from arlopti_jax.aot import shapes, targets
     from arlopti_jax.models import ModelConfig, abstract_params, param_shardings, policy

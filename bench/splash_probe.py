@@ -40,7 +40,7 @@ def main():
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_lib
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import decoder
 
     target = targets.get(args.target)

@@ -73,7 +73,7 @@ class Ours:
         import jax
 
         from arlopti_jax import algos
-        from arlopti_jax import sharding as shd
+        from arlopti_jax.runtime import sharding as shd
         from arlopti_jax.models import load_pretrained
         from arlopti_jax.rollout import Sampler, SamplingConfig
 
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params, save_pretrained
     from shapes import model_config
 

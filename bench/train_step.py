@@ -103,7 +103,7 @@ def device_peak(peak_tflops: float | None) -> tuple[float, str]:
     """(peak FLOP/s of one device, where it came from)."""
     import jax
 
-    from arlopti_jax.metrics import peak_flops_per_device
+    from arlopti_jax.runtime.chips import peak_flops_per_device
 
     if peak_tflops:
         return peak_tflops * 1e12, "--peak-tflops"
@@ -184,7 +184,7 @@ def main():
     import numpy as np
 
     from arlopti_jax import algos
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
     from shapes import model_config
 

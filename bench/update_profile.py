@@ -75,8 +75,8 @@ def main() -> None:
 
     import jax
 
-    from arlopti_jax import run_setup
-    from arlopti_jax import sharding as shd
+    from arlopti_jax.rl import run_setup
+    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.algos import packing
     from arlopti_jax.config import load_config_file
     from arlopti_jax.models import init_params

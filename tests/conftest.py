@@ -12,7 +12,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from arlopti_jax import compile_cache  # noqa: E402
+from arlopti_jax.runtime import compile_cache  # noqa: E402
 from arlopti_jax.config import base_config  # noqa: E402
 
 # programs compiled by one test session are read back by the next (the trainer's default folder)
@@ -27,7 +27,7 @@ SMALL = dict(sft_steps=3, sft_rows_per_size=24, train_rows_per_size=40, test_row
 
 @pytest.fixture(scope="session")  # built once per test process, shared by every test module
 def start_point(tmp_path_factory):
-    from arlopti_jax.start_point import ensure_start_point
+    from arlopti_jax.embedded.start_point import ensure_start_point
 
     return ensure_start_point(tmp_path_factory.mktemp("sp") / "start_point", seed=0, sizes=SMALL)
 

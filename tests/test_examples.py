@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arlopti_jax.cli import STARTUP_CHECK_ENV
+from arlopti_jax.config.cli import STARTUP_CHECK_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHONS = ("python", "python3", ".venv/bin/python")
@@ -104,7 +104,7 @@ def world(tmp_path_factory):
     records to stand in for absent ones."""
     from hf_fixtures import write_hf_model
 
-    from arlopti_jax.start_point import BUILD, SCALE_FILE, compact_rows, scale_sizes, sft_target
+    from arlopti_jax.embedded.start_point import BUILD, SCALE_FILE, compact_rows, scale_sizes, sft_target
     from arlopti_jax.tasks.kk import generate_rows, write_parquet
 
     root = tmp_path_factory.mktemp("examples")
@@ -134,7 +134,7 @@ def world(tmp_path_factory):
         write_parquet(kk, sp / "data" / f"test_{n}ppl.parquet")
     (sp / SCALE_FILE).write_text(json.dumps({"scale": "cpu", "build": BUILD, "seed": 0, "sizes": scale_sizes("cpu")}))
     # a checkpoint step folder: its metadata names the run's config and model folder
-    from arlopti_jax.default_config import get_config
+    from arlopti_jax.embedded.default import get_config
 
     checkpoint = root / "stand_in" / "run" / "checkpoints" / "30"
     (checkpoint / "meta").mkdir(parents=True)
@@ -344,7 +344,7 @@ def test_example_passes_its_startup(example, world, monkeypatch, capsys):
             if spec.startswith(".["):
                 assert set(spec[2:-1].split(",")) <= set(extras), spec
     elif program == "tensorboard":
-        from arlopti_jax.default_config import get_config
+        from arlopti_jax.embedded.default import get_config
 
         assert tokens[1:] == ["--logdir", get_config().run_dir]  # the default's TensorBoard folder
     elif program == "bash" and tokens[1] == "bench/gpu.sh":

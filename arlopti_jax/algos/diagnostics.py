@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arlopti_jax import distributed as dist
+from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.algos.train_step import BATCH_KEYS, TrainStep, update_on_batch
 
 Array = jax.Array

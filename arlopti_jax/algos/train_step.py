@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from arlopti_jax import distributed as dist
-from arlopti_jax import sharding as shd
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.algos import packing
 from arlopti_jax.algos.losses import LossConfig, aggregation_weights, policy_loss, sequence_ids
 from arlopti_jax.models import ModelConfig, abstract_params, packed_hidden_states, param_shardings, target_logprobs

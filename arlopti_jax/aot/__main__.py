@@ -33,7 +33,7 @@ from arlopti_jax.aot import targets
 
 targets.prepare_environment()  # before JAX starts a backend
 
-from arlopti_jax.cli import Command, startup_done  # noqa: E402
+from arlopti_jax.config.cli import Command, startup_done  # noqa: E402
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError  # noqa: E402
 
 COMMAND = Command(
@@ -128,7 +128,7 @@ def _cli():
     from absl import flags
     from ml_collections import config_flags
 
-    from arlopti_jax.cli import parse_command_line
+    from arlopti_jax.config.cli import parse_command_line
 
     def define():
         flags.DEFINE_string("target", "", "compile-only target(s), comma-separated")

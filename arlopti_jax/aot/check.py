@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arlopti_jax import run_setup
-from arlopti_jax import sharding as shd
+from arlopti_jax.rl import run_setup
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.aot import hlo, targets
 from arlopti_jax.aot.targets import GIB, Target
 from arlopti_jax.algos import packing
@@ -206,7 +206,7 @@ def prepare(config, target: Target):
     """(mesh, model shape) of ``config`` on ``target``: the config validated for its device count,
     the layout for its hosts (ConfigError: tensor parallelism across hosts, a batch the processes do
     not divide), the model's shape found (FileNotFoundError)."""
-    from arlopti_jax import distributed as dist
+    from arlopti_jax.runtime import distributed as dist
     from arlopti_jax.config import validate
 
     devices = targets.devices(target)

@@ -42,14 +42,14 @@ def _size_in_name(name: str) -> str | None:
 
 def for_config(config) -> tuple[ModelConfig, tuple[int, ...], int, str]:
     """(ModelConfig with the config's numerics, EOS ids, pad id, where the shape came from)."""
-    from arlopti_jax import run_setup
+    from arlopti_jax.rl import run_setup
 
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, unroll_layers=m.unroll_layers,
                     attention=m.get("attention", "auto"))
     path = Path(m.path) if m.path else None
     if path is None:
-        from arlopti_jax.start_point import SCALES, model_config
+        from arlopti_jax.embedded.start_point import SCALES, model_config
 
         cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"]).replace(**numerics)
         return cfg, (2,), 0, "the embedded start point's shape (vocabulary 1024)"

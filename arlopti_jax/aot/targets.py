@@ -86,7 +86,7 @@ def local() -> Target:
 
     import jax
 
-    from arlopti_jax.metrics import PEAK_BF16_FLOPS
+    from arlopti_jax.runtime.chips import PEAK_BF16_FLOPS
 
     found = jax.local_devices()
     stats = getattr(found[0], "memory_stats", lambda: None)() or {}

@@ -4,7 +4,7 @@ Pre-norm transformer: RMSNorm -> grouped-query attention with RoPE -> residual -
 RMSNorm -> SwiGLU MLP -> residual. Layers are stacked with ``nn.scan`` (one compiled
 layer body, parameters with a leading ``layers`` axis) and optionally rematerialised.
 
-Every parameter carries logical axis names (see ``arlopti_jax.sharding``) so the
+Every parameter carries logical axis names (see ``arlopti_jax.runtime.sharding``) so the
 parallel layout is a rule table, not code.
 
 The KV cache is explicit and functional: ``cache = {"k": [L, B, K, S, H], "v": ...}``
@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from arlopti_jax import sharding as shd
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 
 Array = jax.Array

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from arlopti_jax import faults
+from arlopti_jax.runtime import faults
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.gguf_package import PackageError, package_gguf  # noqa: F401 (re-exported)
 
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     except (GGUFError, PackageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from arlopti_jax.cli import startup_done
+    from arlopti_jax.runtime.startup import startup_done
 
     startup_done("arlopti_jax.models.gguf")
     try:

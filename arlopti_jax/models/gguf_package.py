@@ -29,7 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from arlopti_jax import faults
+from arlopti_jax.runtime import faults
 
 CACHE_ENV = "ARLOPTI_PACKAGE_CACHE"
 DEFAULT_CACHE = "~/.cache/arlopti_jax/packages"

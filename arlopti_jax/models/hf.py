@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from arlopti_jax import sharding as shd
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.policy import abstract_params, param_shardings
 

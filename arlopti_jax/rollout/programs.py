@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from arlopti_jax import sharding as shd
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.decoder import CACHE_AXES, Block, Decoder, RMSNorm, attention_mask, position_ids
 from arlopti_jax.models.policy import unembed_matrix

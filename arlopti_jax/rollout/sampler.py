@@ -62,8 +62,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arlopti_jax import distributed as dist
-from arlopti_jax import sharding as shd
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.decoder import CACHE_AXES
 from arlopti_jax.rollout import programs

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 
-from arlopti_jax import sharding as shd
+from arlopti_jax.runtime import sharding as shd
 
 Array = jax.Array
 

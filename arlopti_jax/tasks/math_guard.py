@@ -5,7 +5,7 @@ math-verify (its LaTeX grammar, then sympy) can take unbounded time on short ans
 limit makes a score depend on the machine's speed and load: scored alone (the sandbox's limit) or
 in a batch (the worker pool's), an answer that sometimes finishes in time scores differently on a
 repeat. The guard refuses, before any parsing, the shapes that were measured to be slow (a worker
-process, 2 CPU cores, math-verify 0.9; ``tests/test_math_guard.py`` keeps every accepted shape
+process, 2 CPU cores, math-verify 0.9; ``tests/tasks/test_math_guard.py`` keeps every accepted shape
 fast):
 
 - length and size: more than ``MAX_CHARS`` characters or ``MAX_TOKENS`` tokens;

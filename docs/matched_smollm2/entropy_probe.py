@@ -28,10 +28,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from arlopti_jax import algos, run_setup, sweep
-from arlopti_jax.collect import Collector
-from arlopti_jax.matched import split_train
-from arlopti_jax.metrics import Timer
+from arlopti_jax import algos
+from arlopti_jax.rl import run_setup
+from arlopti_jax.experiments import sweep
+from arlopti_jax.rl.collect import Collector
+from arlopti_jax.experiments.matched import split_train
+from arlopti_jax.store.metrics import Timer
 from arlopti_jax.tasks import load_reward_fn
 
 PARTS = ("boxed", "answer", "end", "text")

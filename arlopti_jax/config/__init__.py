@@ -1,0 +1,430 @@
+"""The one training configuration (ml_collections) and its validation.
+
+Every field has one meaning everywhere. ``base_config()`` holds the paper's reference
+settings (PAPER.md); experiment files in ``configs/`` start from it and change what
+differs. ``validate`` runs at start-up and raises ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_collections
+
+from arlopti_jax.runtime.startup import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
+
+from arlopti_jax.models.config import ATTENTION_IMPLS
+
+# The config file the train and eval commands use without --config: the embedded CPU default.
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "embedded" / "default.py")
+ADV_ESTIMATORS = ("grpo", "reinforce_plus_plus", "rloo", "dr_grpo")
+WEIGHTINGS = ("none", "ar", "tr")
+LOPTI_SPLITS = ("threshold", "quantile")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_MODES = ("ppo", "cispo")
+RATIO_LEVELS = ("token", "sequence")
+SCHEDULES = ("constant", "warmup_cosine")
+DTYPES = ("float32", "bfloat16")
+PROMPT_STYLES = ("auto", "template", "messages")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.run_dir = "runs/run"
+    c.seed = 42
+    c.resume = "auto"  # auto | none | a checkpoint step folder
+    c.compile_cache_dir = "~/.cache/arlopti_jax/jax"  # JAX's persistent compilation cache (arlopti_jax.runtime.compile_cache)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""  # local Hugging Face folder; "" = the embedded tiny start point
+    c.model.dtype = "bfloat16"  # activations
+    c.model.param_dtype = "float32"  # weights (and so AdamW state)
+    c.model.remat = True
+    c.model.unroll_layers = False  # layers as straight-line code, not a loop (faster on CPU; slower compiles)
+    c.model.attention = "auto"  # training/prefill attention: auto (cuDNN's fused kernel on GPUs at 16-bit), xla, cudnn
+    c.model.logprob_chunk = 256  # targets per packed row in each vocab-projection chunk
+
+    c.data = ml_collections.ConfigDict()
+    c.data.train_files = ""  # comma-separated files or folders (parquet / jsonl)
+    c.data.test_files = ""
+    c.data.prompt_style = "auto"  # template (prompt text embeds the chat template) | messages | auto
+    c.data.max_prompt_length = 400
+    c.data.shuffle_seed = 42
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.n = 8  # responses per prompt (G)
+    c.rollout.temperature = 0.7
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+    c.rollout.max_response_length = 4096
+    c.rollout.prompt_bucket = 64  # prompts are padded to a multiple of this (compile once per bucket)
+    c.rollout.recompute_old_logprobs = False  # pi_old from a teacher-forced pass instead of the sampler's
+    c.rollout.length_aware = True  # decode cost follows the real response lengths (same tokens as the dense path)
+    c.rollout.phase_tokens = 0  # response slots of the first decode phase; 0 = max_response_length / 4 (power of 2)
+    c.rollout.min_rows = 16  # rows per device below which finished rows are no longer compacted away
+
+    c.algo = ml_collections.ConfigDict()
+    c.algo.adv_estimator = "grpo"
+    c.algo.weighting = "none"  # none | ar | tr
+    c.algo.ar_alpha = 0.0
+    # TR-GRPO: w = clip(tr_scale * (sigmoid(p / tr_tau) - tr_mu), tr_min, tr_max); defaults are
+    # this project's choice (the paper's constants were unavailable): see algos/token_weights.py.
+    c.algo.tr_scale = 2.0
+    c.algo.tr_tau = 0.25
+    c.algo.tr_mu = 0.5
+    c.algo.tr_min = 0.1
+    c.algo.tr_max = 1.0
+    c.algo.lopti_eta = 0.0  # 0 = off; >0 low-probability pass first; <0 high-probability pass first
+    c.algo.lopti_split = "threshold"  # threshold on pi_old, or the eta-quantile of the batch
+    c.algo.entropy_top_fraction = 0.0  # "80/20": policy gradient on the batch's top fraction by entropy; 0 = off
+    # DAPO's dynamic sampling and soft overlong penalty; both off, so the paper's runs are unchanged
+    c.algo.filter_groups = False
+    c.algo.max_sample_rounds = 4
+    c.algo.overlong_buffer = 0
+    c.algo.overlong_penalty = 1.0
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.clip_low = 0.2
+    c.loss.clip_high = 0.24
+    c.loss.dual_clip = 10.0
+    c.loss.kl_coef = 0.001
+    c.loss.kl_type = "low_var_kl"
+    c.loss.entropy_coef = 0.0
+    c.loss.agg = "token-mean"
+    c.loss.mode = "ppo"  # ppo | cispo (MiniMax-M1's clipped, stop-gradient importance weight)
+    c.loss.ratio_level = "token"  # token | sequence (GSPO's sequence-level ratio)
+    c.loss.cispo_max_weight = 5.0  # CISPO's upper bound on the importance weight
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-6
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.weight_decay = 0.01
+    c.optim.eps = 1e-8
+    c.optim.grad_clip = 1.0
+    c.optim.schedule = "constant"
+    c.optim.warmup_steps = 0
+    c.optim.min_lr_ratio = 0.0  # warmup_cosine decays to lr x this
+
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_prompts = 64  # prompts per RL step (x rollout.n responses)
+    c.train.mini_batch = 256  # responses per optimizer step
+    c.train.micro_batch = 8  # sizes the packed micro-batch (with max_tokens_per_micro_batch = 0)
+    # tokens per data x fsdp device of a packed micro-batch (sequences packed without padding);
+    # 0 = the dense micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
+    c.train.max_tokens_per_micro_batch = 0
+    c.train.shared_prefix = True  # a group's prompt forwarded once per pass (algos/packing.py)
+    c.train.epochs = 5
+    c.train.max_steps = -1  # -1 = epochs x batches per epoch
+    c.train.eval_every = 20
+    c.train.eval_before = True
+    c.train.eval_n = 1  # sampled responses per test prompt (besides greedy)
+    c.train.eval_ks = (1,)  # pass@k / maj@k / mean@k for these k (each <= eval_n)
+    c.train.eval_temperature = 1.0  # the reference samples its evaluation at 1.0, not the rollout temperature
+    c.train.eval_max_prompts = -1  # cap per data_source for quick evaluation; -1 = all
+    c.train.save_generations = True  # every evaluation's responses, per test set, as jsonl
+    c.train.save_every = 20
+    c.train.keep_checkpoints = 3
+    c.train.samples_every = 10  # sample completions to TensorBoard
+    c.train.export_at_end = True
+    c.train.diagnostics_every = 0  # gradient norm per pi_old quartile every this many steps; 0 = off
+    c.train.diagnostics_rows = 0  # rows it is measured on: 0 = the first mini-batch, -1 = the whole batch
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.fn = ""  # "" = built-in router by data_source; or "module:function"
+    c.reward.workers = 4
+    c.reward.timeout_s = 10.0
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator = ""  # host:port; "" = auto-detect (TPU pods, SLURM) or single process
+    c.distributed.num_processes = 0
+    c.distributed.process_id = -1
+    c.distributed.heartbeat_timeout_s = 100
+    return c
+
+
+# What each field means: the one source for `--help` and the README's config table (a test checks
+# that every field has an entry and that the README's table is this one).
+FIELD_DOCS = {
+    "run_dir": "run folder: TensorBoard events, `metrics.jsonl`, `eval.jsonl`, `checkpoints/`, `export/`",
+    "seed": "sampling RNG seed",
+    "resume": "`auto`: continue from the newest good checkpoint in `run_dir`; `none`: refuse if checkpoints "
+              "exist; or a checkpoint step folder",
+    "compile_cache_dir": "JAX's persistent compilation cache: compiled programs are saved here and reused by later "
+                         "runs, resumes and evaluations (per user: they depend on the model, not the run; a folder "
+                         "all hosts share lets every host reuse them, e.g. `gs://bucket/jax_cache` with gcsfs "
+                         "installed); `\"\"` = off",
+    "model.path": "local Hugging Face folder (config.json, tokenizer, safetensors, optional "
+                  "generation_config.json); `\"\"` = the embedded start point",
+    "model.dtype": "activation dtype (`float32`, `bfloat16`); log-probs and losses are float32",
+    "model.param_dtype": "weight dtype, and so the AdamW state's",
+    "model.remat": "rematerialise each layer in the backward pass",
+    "model.attention": "training and prefill attention: 'auto' (cuDNN's fused kernel on a GPU with a 16-bit "
+                       "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
+    "model.unroll_layers": "layers as straight-line code instead of a scanned loop in the training passes: faster "
+                           "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py)",
+    "model.logprob_chunk": "targets per packed row in each vocabulary-projection chunk (no [B, T, V] tensor is held; "
+                           "up to 64 MiB of target logits per device are projected in one piece)",
+    "data.train_files": "comma-separated parquet/jsonl files or folders",
+    "data.test_files": "comma-separated parquet/jsonl files or folders; each test file is reported separately",
+    "data.prompt_style": "`template`: the prompt text already holds the chat template (public K&K files); "
+                         "`messages`: apply the tokenizer's chat template; `auto`: decide per row",
+    "data.max_prompt_length": "longer prompts are dropped, and the drop is reported per file",
+    "data.shuffle_seed": "data order (reshuffled each epoch with seed + epoch; the last partial batch is dropped)",
+    "rollout.n": "responses per prompt (the group size G)",
+    "rollout.temperature": "sampling temperature; pi_old is the temperature-scaled full distribution",
+    "rollout.top_p": "nucleus sampling (1 = off)",
+    "rollout.top_k": "top-k sampling (0 = off)",
+    "rollout.max_response_length": "response tokens, EOS included",
+    "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this)",
+    "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler",
+    "rollout.length_aware": "decode cost follows the responses' real lengths: the KV cache grows in phases and "
+                            "finished rows are dropped from the batch; False = every step over all slots and rows "
+                            "(the same tokens and log-probs)",
+    "rollout.phase_tokens": "response slots of the first decode phase, doubling each phase up to "
+                            "max_response_length; 0 = max_response_length / 4 rounded up to a power of two (three "
+                            "phases; each phase is one more compiled decode loop per row count)",
+    "rollout.min_rows": "rows per device below which the decode batch is not compacted further (each row count "
+                        "is one more compiled program)",
+    "algo.adv_estimator": "`grpo`, `reinforce_plus_plus`, `rloo`, `dr_grpo`",
+    "algo.weighting": "token weights: `none`, `ar` (Advantage Reweighting), `tr` (TR-GRPO)",
+    "algo.ar_alpha": "AR alpha (paper: 0.2 alone, 0.3 with Lopti)",
+    "algo.tr_scale": "TR-GRPO a in w = clip(a (sigmoid(p / tau) - mu), min, max); TR constants are this "
+                     "project's choice (reasons in `algos/token_weights.py`)",
+    "algo.tr_tau": "TR-GRPO tau",
+    "algo.tr_mu": "TR-GRPO mu",
+    "algo.tr_min": "TR-GRPO lower clip of the weight",
+    "algo.tr_max": "TR-GRPO upper clip of the weight",
+    "algo.lopti_eta": "Lopti threshold on pi_old: 0 = off, > 0 low pass first, < 0 high pass first "
+                      "(paper: 0.4 alone, 0.5 with AR)",
+    "algo.lopti_split": "`threshold`, or `quantile` (threshold = the |eta|-quantile of the batch's pi_old)",
+    "algo.entropy_top_fraction": "the \"80/20\" rule (arXiv 2506.01939): the policy gradient only on this fraction "
+                                 "of the rollout batch's response tokens with the highest pi_old entropy (a "
+                                 "teacher-forced pass before the update; threshold: the batch's (1 - fraction)-"
+                                 "quantile; the rest keep A = 0 and their place in the denominator); 0 = off; the "
+                                 "paper: 0.2",
+    "algo.filter_groups": "DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and "
+                          "sample more prompts until `train.batch_prompts` groups remain",
+    "algo.max_sample_rounds": "with `filter_groups`, at most this many generation rounds per step; if the "
+                              "batch is still short, dropped groups fill it (logged)",
+    "algo.overlong_buffer": "DAPO soft overlong penalty: L_c tokens; a response of L tokens gets "
+                            "overlong_penalty x min(0, (max_response_length - L_c - L) / L_c) added "
+                            "to its reward; 0 = off",
+    "algo.overlong_penalty": "the overlong penalty's factor (its value at max_response_length)",
+    "loss.clip_low": "PPO clip range below 1",
+    "loss.clip_high": "PPO clip range above 1 (clip-higher)",
+    "loss.dual_clip": "dual clip applied where A < 0",
+    "loss.kl_coef": "KL to the frozen initial policy; 0 disables it, along with the reference policy",
+    "loss.kl_type": "KL estimator: `k1`, `k2`, `k3`/`low_var_kl`",
+    "loss.entropy_coef": "entropy bonus",
+    "loss.agg": "`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`",
+    "loss.mode": "`ppo` (the clipped surrogate) or `cispo` (MiniMax-M1, arXiv 2506.13585: -sg[min(ratio, "
+                 "`cispo_max_weight`)] x A x log pi on every token; the clip ranges and dual clip are unused)",
+    "loss.ratio_level": "`token` (PPO's per-token ratio) or `sequence` (GSPO, arXiv 2507.18071: every token of a "
+                        "response takes its sequence's ratio exp(mean log-ratio), clipped by `clip_low`/`clip_high`, "
+                        "in GSPO-token's stop-gradient form; the paper's gradient with `agg` = `seq-mean-token-mean` "
+                        "and its clip 3e-4/4e-4); `ppo` mode only",
+    "loss.cispo_max_weight": "CISPO's upper bound on the importance weight, 1 + eps_high^IS (no lower bound, as "
+                             "the paper); default: ScaleRL's 5",
+    "optim.lr": "AdamW learning rate",
+    "optim.b1": "AdamW beta1",
+    "optim.b2": "AdamW beta2",
+    "optim.weight_decay": "AdamW weight decay (every parameter)",
+    "optim.eps": "AdamW epsilon",
+    "optim.grad_clip": "global gradient-norm clip",
+    "optim.schedule": "`constant` or `warmup_cosine` (counted in optimizer steps)",
+    "optim.warmup_steps": "linear warm-up, in optimizer steps",
+    "optim.min_lr_ratio": "`warmup_cosine` decays to lr x this",
+    "train.batch_prompts": "prompts per RL step",
+    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps)",
+    "train.micro_batch": "sizes the packed micro-batch when `max_tokens_per_micro_batch` is 0: room for this many "
+                         "sequences of the longest possible length, so one holds more of shorter responses; each "
+                         "micro-batch is one jitted forward/backward call, and their gradients are summed before "
+                         "the mini-batch's optimizer step",
+    "train.max_tokens_per_micro_batch": "tokens per data x fsdp device of one packed micro-batch (sequences packed "
+                                        "back to back, no padding to full width); 0 = the dense micro-batch's share, "
+                                        "micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)",
+    "train.shared_prefix": "in the update and log-prob passes, responses with the same prompt (a GRPO group) "
+                           "share one copy of it in their packed row, attending to it and causally to their own "
+                           "tokens, never a sibling's: P + n x R tokens instead of n x (P + R), the same log-probs "
+                           "and gradients to float rounding; prompts no other row repeats keep their own copy; "
+                           "False = every sequence whole",
+    "train.epochs": "passes over the training data (when `max_steps` is -1)",
+    "train.max_steps": "RL steps; -1 = epochs x batches per epoch",
+    "train.eval_every": "evaluate every this many steps (and at the end)",
+    "train.eval_before": "evaluate before the first step",
+    "train.eval_n": "sampled responses per test prompt, besides the greedy one",
+    "train.eval_ks": "k values of pass@k, maj@k and mean@k, each <= `eval_n` (e.g. `1,4,8`)",
+    "train.eval_temperature": "temperature of the sampled evaluation (the reference uses 1.0 with top_p 1)",
+    "train.eval_max_prompts": "evaluate at most this many prompts per test file; -1 = all",
+    "train.save_generations": "keep every evaluation's responses (row, mode, response, extracted answer, score) as "
+                              "`run_dir/generations/<step or eval-time>/<test set>.jsonl`",
+    "train.save_every": "asynchronous orbax checkpoint every this many steps (and at the end, and on SIGTERM)",
+    "train.keep_checkpoints": "checkpoints kept",
+    "train.samples_every": "sample completions to TensorBoard every this many steps",
+    "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",
+    "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
+                               "this many steps, and at the first step the isolation experiment "
+                               "(`isolation/{low,high}_q{1..4}`); 0 = off",
+    "train.diagnostics_rows": "the rows of the rollout batch those gradient norms are measured on: 0 = the step's "
+                              "first mini-batch (`train.mini_batch` rows), -1 = the whole batch (comparable across "
+                              "mini-batch sizes: `reproduce --matched` uses it), N = the first N rows",
+    "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
+                 "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
+    "reward.workers": "parallel scoring processes; 0 = the built-in rewards score in the trainer's process (K&K "
+                      "scoring is a bounded scan; math-verify runs in its own sandbox process), while a `reward.fn` "
+                      "still runs in one worker process, the only place `reward.timeout_s` can stop it",
+    "reward.timeout_s": "per-response scoring time limit, seconds: a scoring call that overruns it is stopped and "
+                        "the response scores 0, as when scoring raises",
+    "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices)",
+    "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",
+    "mesh.tensor": "tensor-parallel mesh axis size (-1 = the rest)",
+    "distributed.coordinator": "`host:port` of process 0; `\"\"` = from SLURM, or a single process; `auto` = "
+                               "JAX's detection (Cloud TPU)",
+    "distributed.num_processes": "process count (0 = from SLURM or JAX)",
+    "distributed.process_id": "this process's id (-1 = from SLURM or JAX)",
+    "distributed.heartbeat_timeout_s": "seconds after a process stops sending heartbeats (it died) before the "
+                                       "others stop too (JAX's coordination service)",
+}
+
+
+def _check(cond: bool, field: str, value, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"config.{field}={value!r} is invalid: {allowed}")
+
+
+def _choice(c, field: str, allowed) -> None:
+    value = c
+    for part in field.split("."):
+        value = value[part]
+    _check(value in allowed, field, value, f"allowed values are {list(allowed)}")
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Raise ConfigError (one line, naming the field) for any invalid value."""
+    for field, allowed in [("algo.adv_estimator", ADV_ESTIMATORS), ("algo.weighting", WEIGHTINGS),
+                           ("algo.lopti_split", LOPTI_SPLITS), ("loss.kl_type", KL_TYPES),
+                           ("loss.agg", AGGREGATIONS), ("loss.mode", LOSS_MODES),
+                           ("loss.ratio_level", RATIO_LEVELS), ("optim.schedule", SCHEDULES),
+                           ("model.dtype", DTYPES), ("model.param_dtype", DTYPES), ("model.attention", ATTENTION_IMPLS),
+                           ("data.prompt_style", PROMPT_STYLES)]:
+        _choice(c, field, allowed)
+    _check(c.model.attention != "cudnn" or c.model.dtype == "bfloat16", "model.attention", c.model.attention,
+           "cuDNN's fused attention needs model.dtype='bfloat16' ('auto' falls back to XLA by itself)")
+    _check(0.0 <= c.algo.ar_alpha <= 1.0, "algo.ar_alpha", c.algo.ar_alpha, "must be in [0, 1]")
+    eta = c.algo.lopti_eta
+    _check(-1.0 <= eta <= 1.0, "algo.lopti_eta", eta, "must be in [-1, 1] (0 = off, sign = pass order)")
+    _check(c.algo.weighting == "ar" or c.algo.ar_alpha == 0.0, "algo.ar_alpha", c.algo.ar_alpha,
+           "only used with algo.weighting='ar'; set algo.weighting='ar' or ar_alpha=0")
+    _check(c.algo.tr_tau > 0, "algo.tr_tau", c.algo.tr_tau, "must be > 0")
+    _check(c.algo.tr_scale > 0, "algo.tr_scale", c.algo.tr_scale, "must be > 0 (weight increasing in p)")
+    _check(c.algo.tr_min <= c.algo.tr_max, "algo.tr_min", c.algo.tr_min, "must be <= algo.tr_max")
+    _check(not (c.algo.lopti_split == "quantile" and abs(eta) >= 1), "algo.lopti_eta", eta,
+           "with lopti_split='quantile', |eta| is a quantile level in (0, 1)")
+    _check(c.rollout.n >= 1, "rollout.n", c.rollout.n, "must be >= 1")
+    _check(c.rollout.temperature > 0, "rollout.temperature", c.rollout.temperature, "must be > 0")
+    _check(0.0 < c.rollout.top_p <= 1.0, "rollout.top_p", c.rollout.top_p, "must be in (0, 1]")
+    _check(c.rollout.top_k >= 0, "rollout.top_k", c.rollout.top_k, "must be >= 0 (0 = off)")
+    _check(c.rollout.max_response_length >= 1, "rollout.max_response_length", c.rollout.max_response_length,
+           "must be >= 1")
+    _check(c.rollout.prompt_bucket >= 1, "rollout.prompt_bucket", c.rollout.prompt_bucket, "must be >= 1")
+    _check(c.data.max_prompt_length >= 1, "data.max_prompt_length", c.data.max_prompt_length, "must be >= 1")
+    for field in ("loss.clip_low", "loss.clip_high"):
+        v = c.loss[field.split(".")[1]]
+        _check(0.0 < v < 1.0, field, v, "must be in (0, 1)")
+    _check(c.loss.dual_clip > 1.0, "loss.dual_clip", c.loss.dual_clip, "must be > 1")
+    _check(c.loss.kl_coef >= 0, "loss.kl_coef", c.loss.kl_coef, "must be >= 0")
+    _check(c.loss.cispo_max_weight >= 1, "loss.cispo_max_weight", c.loss.cispo_max_weight,
+           "must be >= 1 (an upper bound on the importance weight, whose on-policy value is 1)")
+    _check(not (c.loss.mode == "cispo" and c.loss.ratio_level == "sequence"), "loss.ratio_level",
+           c.loss.ratio_level, "'sequence' is GSPO's clipped sequence ratio and loss.mode='cispo' weights each "
+           "token: choose one")
+    top = c.algo.entropy_top_fraction
+    _check(0.0 <= top < 1.0, "algo.entropy_top_fraction", top, "must be in [0, 1) (0 = off; the paper: 0.2)")
+    _check(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
+    _check(c.optim.grad_clip > 0, "optim.grad_clip", c.optim.grad_clip, "must be > 0")
+    _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", c.optim.warmup_steps, "must be >= 0")
+    _check(c.resume in ("auto", "none") or bool(c.resume), "resume", c.resume, "auto | none | a checkpoint folder")
+
+    t = c.train
+    responses = t.batch_prompts * c.rollout.n
+    _check(t.batch_prompts >= 1, "train.batch_prompts", t.batch_prompts, "must be >= 1")
+    _check(t.mini_batch >= 1 and responses % t.mini_batch == 0, "train.mini_batch", t.mini_batch,
+           f"must divide train.batch_prompts x rollout.n = {responses}")
+    _check(t.micro_batch >= 1 and t.mini_batch % t.micro_batch == 0, "train.micro_batch", t.micro_batch,
+           f"must divide train.mini_batch = {t.mini_batch}")
+    for field in ("epochs", "eval_every", "save_every", "keep_checkpoints", "samples_every", "eval_n"):
+        _check(t[field] >= 1, f"train.{field}", t[field], "must be >= 1")
+    _check(t.max_steps == -1 or t.max_steps >= 1, "train.max_steps", t.max_steps, "must be -1 or >= 1")
+    longest = c.data.max_prompt_length + c.rollout.max_response_length
+    _check(t.max_tokens_per_micro_batch == 0 or t.max_tokens_per_micro_batch >= longest,
+           "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch,
+           f"must be 0 (auto) or hold the longest sequence, data.max_prompt_length + "
+           f"rollout.max_response_length = {longest}")
+    ks = t.eval_ks
+    _check(isinstance(ks, (tuple, list)) and len(ks) > 0 and all(type(k) is int and 1 <= k <= t.eval_n for k in ks),
+           "train.eval_ks", ks, f"must be integers k with 1 <= k <= train.eval_n = {t.eval_n}, e.g. 1,4,8")
+    _check(t.eval_temperature > 0, "train.eval_temperature", t.eval_temperature, "must be > 0")
+    _check(t.diagnostics_every >= 0, "train.diagnostics_every", t.diagnostics_every, "must be >= 0 (0 = off)")
+    _check(t.diagnostics_rows >= -1, "train.diagnostics_rows", t.diagnostics_rows,
+           "must be -1 (the whole batch), 0 (the first mini-batch) or a row count")
+    a = c.algo
+    _check(a.max_sample_rounds >= 1, "algo.max_sample_rounds", a.max_sample_rounds, "must be >= 1")
+    _check(not a.filter_groups or c.rollout.n >= 2, "algo.filter_groups", a.filter_groups,
+           "needs rollout.n >= 2 (a group of one response never has unequal rewards)")
+    _check(0 <= a.overlong_buffer < c.rollout.max_response_length, "algo.overlong_buffer", a.overlong_buffer,
+           f"must be in [0, rollout.max_response_length = {c.rollout.max_response_length}) (0 = off)")
+    _check(a.overlong_penalty >= 0, "algo.overlong_penalty", a.overlong_penalty, "must be >= 0")
+    _check(c.rollout.phase_tokens >= 0, "rollout.phase_tokens", c.rollout.phase_tokens, "must be >= 0 (0 = auto)")
+    _check(c.rollout.min_rows >= 1, "rollout.min_rows", c.rollout.min_rows, "must be >= 1")
+    _check(c.distributed.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", c.distributed.heartbeat_timeout_s,
+           "must be >= 1")
+    _check(c.reward.workers >= 0, "reward.workers", c.reward.workers, "must be >= 0")
+    _check(c.reward.timeout_s > 0, "reward.timeout_s", c.reward.timeout_s, "must be > 0")
+    _check(not c.reward.fn or ":" in c.reward.fn, "reward.fn", c.reward.fn, "must be 'module:function' or ''")
+
+    if num_devices is not None:
+        from arlopti_jax.runtime.sharding import resolve_mesh_shape
+        try:
+            sizes = resolve_mesh_shape(dict(c.mesh), num_devices)
+        except ValueError as err:
+            raise ConfigError(f"config.mesh={dict(c.mesh)} is invalid: {err}") from None
+        per = sizes["data"] * sizes["fsdp"]
+        _check(t.micro_batch % per == 0, "train.micro_batch", t.micro_batch,
+               f"must be divisible by the mesh's data x fsdp = {per} (batch is split over those axes)")
+
+
+def field_paths(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every leaf field's dotted path."""
+    out = []
+    for key, value in c.items():
+        path = f"{prefix}{key}"
+        out += field_paths(value, path + ".") if isinstance(value, ml_collections.ConfigDict) else [path]
+    return out
+
+
+def load_config_file(path, arg: str = "") -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of a Python config file (as ``--config=PATH:ARG`` would load it)."""
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("_arlopti_config", str(path))
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def apply_layout(c: ml_collections.ConfigDict, data: int, fsdp: int, tensor: int,
+                 param_dtype: str | None = None) -> ml_collections.ConfigDict:
+    """Set a mesh layout: one sequence per data x fsdp device per micro-batch, per-layer remat."""
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
+    c.train.micro_batch = data * fsdp
+    if param_dtype is not None:
+        c.model.param_dtype = param_dtype
+    c.model.remat = True
+    return c

@@ -1,0 +1,2 @@
+"""The embedded default: its config file (default.py) and its start point (generated K&K
+puzzles, a trained tokenizer and a small model warm-started by SFT)."""

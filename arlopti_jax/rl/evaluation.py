@@ -1,0 +1,267 @@
+"""Evaluation on test sets: greedy accuracy, and pass@k / maj@k / mean@k from sampled responses.
+
+For each test file, every prompt gets one greedy response and ``train.eval_n`` sampled ones
+(at ``train.eval_temperature``, with the rollout's top_p / top_k). Per file (and averaged over
+files as ``eval/avg/...``):
+
+    greedy_acc, greedy_reward, sampled_acc, sampled_reward
+    pass@k   the unbiased estimator of Chen et al. (2021) from all n = eval_n samples of a
+             prompt, c of them correct: 1 - C(n - c, k) / C(n, k), averaged over prompts
+    maj@k    whether the most frequent answer among the prompt's FIRST k samples is correct
+    mean@k   the accuracy of the prompt's first k samples (mean@eval_n = sampled_acc)
+
+Samples are i.i.d., so the first k are a uniformly random k-subset: maj@k and mean@k are
+unbiased too, only noisier than an average over every subset. "The answer" of a response
+is ``tasks.answer_for(data_source)``: K&K's parsed assignment, math's normalised boxed
+answer. Responses without a parseable answer do not vote; a prompt none of whose k samples
+has one counts as wrong. A tie is won by the tied answer that appears first (with
+exchangeable samples, a uniformly random choice among them). The winning answer is correct
+when the first response giving it is. maj@k is not reported for a file holding a data
+source without a built-in answer format (a custom reward function's).
+
+Every evaluation can keep what it generated (``Evaluator.run(..., generations_dir=DIR)``):
+one ``DIR/<test set>.jsonl`` per test file, a line per response with the prompt's row in its
+file, the mode (greedy or sampled) and sample number, the response text (special tokens
+kept), the extracted answer, the score and whether it counts as correct. With several
+processes each writes its own responses to ``<test set>.process<i>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import faults
+from arlopti_jax.tasks import answer_for, score_batch
+
+
+def is_correct(data_source: str, score: float) -> bool:
+    """K&K: the full score 3 (format and answer right); other tasks: score >= 1."""
+    return score >= (3.0 if data_source.startswith("kk_logic") else 1.0)
+
+
+def decode_solutions(tokenizer, prompt_rows: list[dict], rollout, n: int) -> list[str]:
+    """verl's ``solution_str``: the decoded prompt and response together, special tokens kept."""
+    seqs = [prompt_rows[i // n]["prompt_ids"] + resp for i, resp in enumerate(rollout.responses())]
+    return tokenizer.batch_decode(seqs, skip_special_tokens=False)
+
+
+def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: int):
+    """(decoded solution strings, float32 scores), one per response; rows[i // n] is the prompt."""
+    texts = decode_solutions(tokenizer, rows, rollout, n)
+    scores = score_batch(reward_fn, [rows[i // n]["data_source"] for i in range(len(texts))], texts,
+                         [rows[i // n]["ground_truth"] for i in range(len(texts))],
+                         [rows[i // n]["extra_info"] for i in range(len(texts))],
+                         num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+    return texts, np.asarray(scores, np.float32)
+
+
+# ---- estimators (one prompt) ----
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """1 - C(n - c, k) / C(n, k): the chance that k of the n samples, drawn without replacement,
+    hold a correct one (as a product, so large n cannot overflow)."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def majority_correct(answers: Sequence[Hashable | None], correct: Sequence[bool]) -> bool:
+    """Whether the most frequent non-None answer is correct (rules in the module docstring)."""
+    counts: dict[Hashable, int] = {}
+    first: dict[Hashable, int] = {}
+    for i, answer in enumerate(answers):
+        if answer is not None:
+            counts[answer] = counts.get(answer, 0) + 1
+            first.setdefault(answer, i)
+    if not counts:
+        return False
+    top = max(counts.values())
+    winner = min((a for a in counts if counts[a] == top), key=first.__getitem__)
+    return bool(correct[first[winner]])
+
+
+def prompt_stats(correct: np.ndarray, answers: list | None, ks: Sequence[int]) -> np.ndarray:
+    """[pass@k..., maj@k..., mean@k...] of one prompt's samples (maj@k NaN without answers)."""
+    n, c = len(correct), int(np.sum(correct))
+    passes = [pass_at_k(n, c, k) for k in ks]
+    majs = [float(majority_correct(answers[:k], correct[:k])) if answers is not None else np.nan for k in ks]
+    means = [float(np.mean(correct[:k])) for k in ks]
+    return np.array(passes + majs + means, np.float64)
+
+
+def stat_names(ks: Sequence[int]) -> list[str]:
+    return [f"{kind}@{k}" for kind in ("pass", "maj", "mean") for k in ks]
+
+
+class Evaluator:
+    """Greedy and sampled metrics per test set. With several processes, each samples and scores
+    its share of every chunk of prompts (a prompt's samples stay on one process); per-response
+    scores and per-prompt statistics are gathered."""
+
+    def __init__(self, config, run, tokenizer, test_sets: dict, reward_fn):
+        """``run``: the ``run_setup.assemble`` of ``config`` (its sampler and sampling settings)."""
+        self.config, self.sampler, self.tokenizer, self.sets, self.reward_fn = (config, run.sampler, tokenizer,
+                                                                                test_sets, reward_fn)
+        self.greedy = run.sampling(greedy=True)
+        self.sampled = run.sampling(temperature=config.train.eval_temperature)
+        self.ks = tuple(int(k) for k in config.train.eval_ks)
+
+    @property
+    def settings(self) -> dict[str, float]:
+        """How the sampled evaluation draws, for the records beside its results."""
+        return {"eval_n": self.config.train.eval_n, "eval_temperature": self.sampled.temperature,
+                "eval_top_p": self.sampled.top_p, "eval_top_k": self.sampled.top_k}
+
+    def _chunk(self, params, key, rows, n, sampling, mode: str, records: list[dict] | None):
+        """Scores, correctness and (sampled mode) per-prompt statistics of this process's share;
+        appends this process's responses to ``records`` (unless None)."""
+        cfg = self.config
+        rows = rows[self.sampler.process_share(len(rows), sampling)]
+        rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling)
+        texts, scores = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
+        ok = np.array([is_correct(rows[i // n]["data_source"], v) for i, v in enumerate(scores)], bool)
+        answers = [None] * len(texts)
+        for i, text in enumerate(texts):
+            extract = answer_for(rows[i // n]["data_source"])
+            answers[i] = None if extract is None else extract(text, rows[i // n]["ground_truth"])
+        stats = np.zeros((len(rows), 3 * len(self.ks) if mode == "sampled" else 0))
+        for p, row in enumerate(rows if mode == "sampled" else ()):
+            with_answers = answer_for(row["data_source"]) is not None
+            stats[p] = prompt_stats(ok[p * n:(p + 1) * n], answers[p * n:(p + 1) * n] if with_answers else None,
+                                    self.ks)
+        if records is not None:
+            responses = self.tokenizer.batch_decode(rollout.responses(), skip_special_tokens=False)
+            records += [{"row": rows[i // n]["row"], "mode": mode, "sample": i % n, "response": responses[i],
+                         "answer": answers[i], "score": float(scores[i]), "correct": bool(ok[i]),
+                         "ground_truth": rows[i // n]["ground_truth"]} for i in range(len(texts))]
+        return dist.gather(scores, ok, stats)
+
+    def run(self, params, key, generations_dir: str | Path | None = None) -> dict[str, float]:
+        """Every metric of every test set; with ``generations_dir``, each response too (module
+        docstring)."""
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        out: dict[str, float] = {}
+        cap = cfg.train.batch_prompts * cfg.rollout.n  # responses per generate call
+        for name, ds in self.sets.items():
+            rows = ds.rows if cfg.train.eval_max_prompts < 0 else ds.rows[:cfg.train.eval_max_prompts]
+            records = [] if generations_dir is not None else None
+            total = len(rows) * (1 + cfg.train.eval_n)
+            bar = tqdm(total=total, desc=f"eval {name}", unit="response", leave=False,
+                       disable=jax.process_index() != 0)
+            for mode, sampling, n in (("greedy", self.greedy, 1), ("sampled", self.sampled, cfg.train.eval_n)):
+                per = max(1, cap // n)
+                scores, correct, stats = [], [], []
+                for start in range(0, len(rows), per):
+                    key, sub = jax.random.split(key)
+                    s, ok, st = self._chunk(params, sub, rows[start:start + per], n, sampling, mode, records)
+                    scores.append(s)
+                    correct.append(ok)
+                    stats.append(st)
+                    bar.update(len(s))
+                    bar.set_postfix({f"{mode}_acc": f"{np.mean(np.concatenate(correct)):.3f}"})
+                out[f"eval/{name}/{mode}_acc"] = float(np.mean(np.concatenate(correct)))
+                out[f"eval/{name}/{mode}_reward"] = float(np.mean(np.concatenate(scores)))
+                if mode == "sampled":
+                    for stat, values in zip(stat_names(self.ks), np.concatenate(stats).T):
+                        if not np.isnan(values).any():
+                            out[f"eval/{name}/{stat}"] = float(values.mean())
+            bar.close()
+            if records is not None:
+                write_generations(Path(generations_dir), name, records)
+        for metric in ["greedy_acc", "sampled_acc", *stat_names(self.ks)]:
+            values = [v for k, v in out.items() if k.endswith(f"/{metric}")]
+            if values:
+                out[f"eval/avg/{metric}"] = float(np.mean(values))
+        return out
+
+
+def write_generations(folder: Path, name: str, records: list[dict]) -> Path:
+    """This process's responses to one test set as jsonl (answers such as K&K's tuples as lists)."""
+    suffix = f".process{jax.process_index()}" if jax.process_count() > 1 else ""
+    path = folder / f"{name}{suffix}.jsonl"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")  # a crash mid-write leaves no cut file under the name
+    with open(tmp, "w") as f:
+        faults.write(f, "".join(json.dumps(record, default=str) + "\n" for record in records), "generations")
+    tmp.replace(path)
+    return path
+
+
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Keep the records of ``path`` up to ``last_step`` (-1: none of the training's): a run resumed
+    from the checkpoint of ``last_step`` (or restarted) writes the later steps again, once each.
+    Records without a step (standalone ``eval``'s) are kept; a line that is not a JSON object (the
+    half-written last line of a killed run) is dropped."""
+    if jax.process_index() != 0 or not path.exists():
+        return
+    text = path.read_text()
+    lines = text.splitlines()
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step", last_step) <= last_step:
+            keep.append(line)
+    if len(keep) < len(lines) or text and not text.endswith("\n"):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            faults.write(f, json.dumps(record) + "\n", "eval")
+
+
+def _columns(results: dict[str, float], with_reward: bool) -> list[str]:
+    stats = sorted({k.split("/")[2] for k in results if "@" in k},
+                   key=lambda s: (("pass", "maj", "mean").index(s.split("@")[0]), int(s.split("@")[1])))
+    return ["greedy_acc", "sampled_acc", *(["greedy_reward"] if with_reward else []), *stats]
+
+
+def _table(results: dict[str, float], columns: list[str], cell, width: int, settings: dict | None,
+           chance: dict[str, float | None] | None = None) -> str:
+    names = sorted({k.split("/")[1] for k in results if k.startswith("eval/")})
+    if chance is not None:  # a last column: the accuracy of guessing ('-' where unknown)
+        known = [v for v in chance.values() if v is not None]
+        levels = {**chance, "avg": float(np.mean(known)) if known and len(known) == len(chance) else None}
+        shown = {name: f"{levels[name]:.3f}" if levels.get(name) is not None else "-" for name in names}
+    lines = [f"{'test set':<24}" + "".join(f"{c.replace('_', ' '):>{width}}" for c in columns)
+             + (f"{'chance':>8}" if chance is not None else "")]
+    lines += [f"{name:<24}" + "".join(f"{cell(name, c):>{width}}" for c in columns)
+              + (f"{shown[name]:>8}" if chance is not None else "") for name in names]
+    if settings:
+        lines.append(f"sampled: {settings['eval_n']} per prompt at temperature {settings['eval_temperature']:g} "
+                     f"(top_p {settings['eval_top_p']:g}, top_k {settings['eval_top_k']})")
+    return "\n".join(lines)
+
+
+def format_table(results: dict[str, float], settings: dict | None = None) -> str:
+    """One row per test set: greedy and sampled accuracy, greedy reward, then every pass@k,
+    maj@k and mean@k present; ``settings`` (``Evaluator.settings``) as a last line."""
+    fmt = lambda v: f"{v:.3f}" if v is not None else "-"
+    return _table(results, _columns(results, True), lambda name, c: fmt(results.get(f"eval/{name}/{c}")), 15,
+                  settings)
+
+
+def compare_table(before: dict[str, float], after: dict[str, float], settings: dict | None = None,
+                  chance: dict[str, float | None] | None = None) -> str:
+    """``format_table``'s accuracies as 'before -> after' cells; with ``chance`` (per test set,
+    the accuracy of guessing, or None) a last column of it."""
+    fmt = lambda v: f"{v:.3f}" if v is not None else "  -  "
+    cell = lambda name, c: f"{fmt(before.get(f'eval/{name}/{c}'))} -> {fmt(after.get(f'eval/{name}/{c}'))}"
+    return _table(after, _columns(after, False), cell, 16, settings, chance)

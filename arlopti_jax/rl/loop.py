@@ -1,0 +1,286 @@
+"""The RL trainer's loop, ``train(config)``: sample -> reward -> advantage -> token weights ->
+(Lopti) updates, logging, checkpoints, evaluations, and the end-of-run summary. The command
+line is ``arlopti_jax.train``; ``arlopti_jax.reproduce`` calls ``train`` for each run of its sweep.
+
+Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts (optionally
+dropping zero-advantage groups and drawing more: ``algo.filter_groups``), score them,
+compute advantages and token weights, update the policy (twice with Lopti), log to
+TensorBoard, checkpoint, evaluate. SIGTERM saves a checkpoint and exits; ``resume=auto``
+continues from the newest good checkpoint with the same data order and RNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from arlopti_jax import algos
+from arlopti_jax.rl import run_setup
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.store.checkpoint import PreemptionFlag
+from arlopti_jax.rl.collect import Collector
+from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, compare_table, format_table, is_correct, trim_jsonl
+from arlopti_jax.runtime.chips import mfu
+from arlopti_jax.store.metrics import MetricsWriter, Timer
+from arlopti_jax.models import save_pretrained
+from arlopti_jax.tasks import load_reward_fn
+from arlopti_jax.tasks.kk import guess_accuracy
+
+log = logging.getLogger("arlopti_jax.train")
+
+def rollout_metrics(rows, scores, lengths, truncated, n: int) -> dict[str, float]:
+    """Reward, accuracy and length metrics of a whole (global) batch: ``rows`` its prompts,
+    the arrays one value per response."""
+    sources = [rows[i // n]["data_source"] for i in range(len(scores))]
+    correct = np.array([is_correct(s, v) for s, v in zip(sources, scores)], np.float32)
+    out = {"reward/mean": scores.mean(), "reward/std": scores.std(), "acc/all": correct.mean(),
+           "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
+           "response/truncated": truncated.mean()}
+    for source in sorted(set(sources)):
+        pick = np.array([s == source for s in sources])
+        out[f"acc/{source}"] = correct[pick].mean()
+        out[f"reward/{source}"] = scores[pick].mean()
+    return out
+
+
+def update_metrics(pass_metrics: list[dict], lopti: bool) -> dict[str, float]:
+    names = ("low", "high") if lopti else ("",)
+    out = {}
+    for name, metrics in zip(names, pass_metrics):
+        prefix = f"update/{name}/" if name else "update/"
+        out.update({prefix + k: v for k, v in metrics.items()})
+    return out
+
+
+def quartile_metrics(batch, advantages) -> dict[str, float]:
+    q = jax.tree.map(dist.to_host, algos.probability_quartiles(batch["old_logprobs"], advantages,
+                                                               batch["response_mask"]))
+    out = {}
+    for i in range(4):
+        out[f"quartile/q{i + 1}_mean_prob"] = q["mean_prob"][i]
+        out[f"quartile/q{i + 1}_mean_abs_adv"] = q["mean_abs_adv"][i]
+        out[f"quartile/q{i + 1}_tokens"] = q["count"][i]
+    return out
+
+
+def train(config) -> dict:
+    """Run training per ``config``; returns the final summary (also printed)."""
+    started = time.time()
+    run_dir = Path(config.run_dir)
+    mesh = run_setup.make_mesh(config)
+    model_path, train_files, test_files = run_setup.resolve_paths(config)
+    policy = run_setup.load_policy(config, mesh, model_path)
+    model_cfg, tokenizer = policy.model_cfg, policy.tokenizer
+
+    train_data = run_setup.prompt_dataset(config, train_files, tokenizer)
+    iterator = run_setup.train_iterator(config, train_data)
+    test_sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], tokenizer) for f in test_files}
+    steps = run_setup.total_steps(config, iterator)
+    run = run_setup.assemble(config, mesh, model_cfg, eos_ids=run_setup.eos_ids(policy),
+                             pad_id=run_setup.pad_id(policy), total_steps=steps)
+    train_step = run.train_step
+
+    ckpt = run_setup.checkpointer(config)
+    restored = run_setup.restore_from(config, ckpt, run.state)
+    ref_params = policy.params if run.use_reference else None  # frozen: never donated
+    if restored is None:
+        start_step, key = 0, jax.random.key(config.seed)
+        params = jax.tree_util.tree_map(lambda x: x.copy(), policy.params) if ref_params is not None else policy.params
+        opt_state = algos.init_opt_state(run.optimizer, model_cfg, params, mesh)
+    else:
+        start_step, state, meta = restored
+        params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
+        iterator.load_state_dict(meta["data"])
+        log.info("resumed from %s/%d", ckpt.directory, start_step)
+    policy.params = None  # the trainer owns params from here (donated each step)
+    for name in ("metrics.jsonl", "eval.jsonl"):  # the steps after the checkpoint are written again
+        trim_jsonl(run_dir / name, start_step if restored is not None else -1)
+
+    diagnose_every = config.train.diagnostics_every
+    grad_norms_fn = algos.make_quartile_grad_norms(train_step) if diagnose_every else None
+    reward_fn = load_reward_fn(config.reward.fn or None)
+    evaluator = Evaluator(config, run, tokenizer, test_sets, reward_fn)
+    writer = MetricsWriter(run_dir)
+    writer.text(0, "config", f"```\n{config.to_json_best_effort(indent=2)}\n```")
+    preempted = PreemptionFlag()
+    timer = Timer()
+    n = config.rollout.n
+    collect = Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, timer)
+    history = {"before": None, "after": None, "reward": [], "eval_settings": evaluator.settings}
+
+    def evaluate(step):
+        with timer("eval"):
+            generations = run_dir / "generations" / f"step_{step}" if config.train.save_generations else None
+            results = evaluator.run(params, jax.random.fold_in(key, 10**9 + step), generations)
+        writer.scalars(step, results)
+        append_jsonl(run_dir / "eval.jsonl", {"step": step, **evaluator.settings, **results})
+        return results
+
+    def save(step, eval_pending=False):  # eval_pending: the step's evaluation is left to the resumed run
+        state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
+        ckpt.save(step, state, {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
+                                "config": config.to_json_best_effort(), "eval_pending": eval_pending})
+
+    if test_sets and config.train.eval_before and start_step == 0:
+        history["before"] = evaluate(0)
+        log.info("before training:\n%s", format_table(history["before"], evaluator.settings))
+    elif test_sets and restored is not None and restored[2].get("eval_pending"):  # saved on a stop signal
+        history["after"] = evaluate(start_step)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
+    for step in bar:
+        step_key = jax.random.fold_in(key, step)
+        # 1-2. sample G responses per prompt with the current policy (each process its block of
+        # the prompts) and score them on host; with filter_groups, more rounds replace zero-advantage
+        # groups. The global batch then goes to every process's host (the update packs it there).
+        sampled = collect(params, iterator, step_key)
+        batch = {k: dist.to_host(v) for k, v in sampled.batch.items()}
+        rewards, group_ids = dist.to_host(sampled.rewards), dist.to_host(sampled.group_ids)
+        entropies = None  # pi_old's, for the high-entropy selection (algo.entropy_top_fraction)
+        if run.weight_cfg.entropy_top_fraction:
+            old, entropies = run.logprobs(params, batch, with_entropy=True)
+            if config.rollout.recompute_old_logprobs:
+                batch["old_logprobs"] = old
+        elif config.rollout.recompute_old_logprobs:
+            batch["old_logprobs"] = run.logprobs(params, batch)
+        # 3-4. advantages, token weights (AR / TR, the entropy selection) and the Lopti split, as update passes
+        passes = algos.prepare_updates(run.adv_cfg, run.weight_cfg, run.lopti_cfg, rewards, group_ids,
+                                       batch["response_mask"], batch["old_logprobs"], entropies)
+        if run.use_reference:
+            batch["ref_logprobs"] = run.logprobs(ref_params, batch)
+        diagnostics = {}
+        if diagnose_every and step % diagnose_every == 0:  # the paper's Figure 1, before the update
+            with timer("diagnostics"):
+                rows = config.train.get("diagnostics_rows", 0)  # 0: the first mini-batch; -1: every row
+                rows = config.train.mini_batch if rows == 0 else len(batch["input_ids"]) if rows < 0 else rows
+                diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes, rows)
+                if step == 0:  # and once, the isolation experiment on the first batch
+                    diagnostics.update(isolation_metrics(run, params, batch, passes))
+        # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
+        mark, programs = len(train_step.processed), train_step.num_compilations()
+        with timer("update"):
+            params, opt_state, pass_metrics = algos.update_on_batch(
+                train_step, params, opt_state, batch, passes, config.train.mini_batch)
+        # 6. metrics
+        seconds = timer.pop()
+        generated = int(sampled.lengths.sum())
+        trained = int(batch["attention_mask"].sum()) * len(passes)
+        packed = train_step.processed_since(mark)  # what the passes forwarded: a shared prompt once per row
+        metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.lengths, sampled.truncated, n),
+                   **sampled.stats, **diagnostics,
+                   **update_metrics(pass_metrics, run.lopti_cfg.enabled),
+                   **quartile_metrics(batch, sum(a for a, _ in passes)),
+                   **{f"time/{k}": v for k, v in seconds.items()},
+                   "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
+                   "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
+                   "throughput/update_padding": packed.padding,
+                   "update/forwarded_tokens": float(packed.real_tokens),
+                   # a micro-batch shape not seen before compiles inside the step's update time
+                   "time/update_new_programs": float(train_step.num_compilations() - programs),
+                   "train/epoch": iterator.epoch}
+        util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
+        if util is not None:
+            metrics["throughput/train_mfu"] = util
+        writer.scalars(step + 1, metrics)
+        valid = batch["response_mask"].astype(bool)
+        writer.histogram(step + 1, "pi_old", np.exp(batch["old_logprobs"][valid]))
+        if step % config.train.samples_every == 0:
+            writer.text(step + 1, "samples", f"reward {sampled.sample_score:.2f}\n\n```\n{sampled.sample_text}\n```")
+        history["reward"].append(float(sampled.scores.mean()))
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
+        # 7. evaluation, 8. checkpoint (asynchronous): evaluating first, a checkpoint's evaluation is
+        # recorded before it exists, so a crash mid-evaluation resumes from the checkpoint before
+        done = step + 1
+        stop = dist.any_process(bool(preempted))  # every host saves the same step
+        due = bool(test_sets) and (done % config.train.eval_every == 0 or done == steps)
+        if due and not stop:
+            history["after"] = evaluate(done)
+        if done % config.train.save_every == 0 or done == steps or stop:
+            save(done, eval_pending=due and stop)
+        if stop:
+            log.warning("received %s: saved checkpoint %d, exiting",
+                        preempted.signal_name or "a stop signal on another process", done)
+            break
+
+    stop = dist.any_process(bool(preempted))
+    ckpt.close()
+    writer.close()
+    preempted.close()
+    finished = not stop
+    export_dir = None
+    if finished and config.train.export_at_end:
+        export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
+    return summarize(config, history, started, export_dir, preempted=not finished,
+                     chance=chance_levels(test_sets))
+
+
+def isolation_metrics(run: run_setup.Run, params, batch, passes) -> dict:
+    """``isolation/{low,high}_q{1..4}``: the change of each pi_old quartile's mean probability
+    after one optimizer step (fresh AdamW state at the configured peak learning rate: a
+    schedule's first step may be 0) on only the lowest (low) or only the highest (high)
+    quartile's tokens of ``batch``, with the step's full weighted advantages."""
+    peak = dataclasses.replace(run_setup.optim_config(run.config, run.total_steps), schedule="constant",
+                               warmup_steps=0)
+    optimizer = algos.make_optimizer(peak)
+    step = algos.make_train_step(run.model_cfg, run.loss_cfg, optimizer, run.mesh,
+                                 tokens_per_device=run.tokens_per_device, chunk_size=run.config.model.logprob_chunk,
+                                 shared_prefix=run.train_step.shared_prefix)
+    full = {**batch, "advantages": sum(dist.to_host(a) for a, _ in passes)}
+    change = algos.isolation_experiment(
+        step, run.logprobs, lambda p: algos.init_opt_state(optimizer, run.model_cfg, p, run.mesh), params, full)
+    return {f"isolation/{case}_q{q + 1}": float(change[i, q]) for i, case in enumerate(("low", "high"))
+            for q in range(4)}
+
+
+def chance_levels(test_sets: dict) -> dict[str, float | None]:
+    """Per test set, the accuracy of guessing (mean over its rows; None where a row's data
+    source does not define one)."""
+    out = {}
+    for name, data in test_sets.items():
+        levels = [guess_accuracy(r["data_source"]) for r in data.rows]
+        out[name] = float(np.mean(levels)) if levels and None not in levels else None
+    return out
+
+
+def reward_trend(rewards: list[float]) -> tuple[float, float, float] | None:
+    """(first-quarter mean, last-quarter mean, their difference in standard errors of the
+    difference) of the per-step training reward; None with fewer than 8 steps."""
+    k = len(rewards) // 4
+    if k < 2:
+        return None
+    first, last = np.asarray(rewards[:k]), np.asarray(rewards[-k:])
+    se = np.sqrt(first.var(ddof=1) / k + last.var(ddof=1) / k)
+    return float(first.mean()), float(last.mean()), float((last.mean() - first.mean()) / se) if se > 0 else 0.0
+
+
+def summarize(config, history, started, export_dir, preempted, chance: dict | None = None) -> dict:
+    minutes = (time.time() - started) / 60
+    lines = ["", "=" * 72, f"arlopti_jax: {'stopped (preempted)' if preempted else 'finished'} in {minutes:.1f} min",
+             f"run folder: {config.run_dir}   tensorboard --logdir {config.run_dir}"]
+    rewards = history["reward"]
+    trend = reward_trend(rewards)
+    if trend:
+        lines.append(f"train reward: first quarter {trend[0]:.3f} -> last quarter {trend[1]:.3f} "
+                     f"({trend[2]:+.1f} standard errors, {len(rewards)} steps)")
+    elif rewards:
+        lines.append(f"train reward: mean {np.mean(rewards):.3f} over {len(rewards)} steps")
+    before, after = history["before"], history["after"]
+    if before and after:
+        lines.append("evaluation before -> after:")
+        lines.append(compare_table(before, after, history["eval_settings"], chance))
+    elif after:
+        lines.append(format_table(after, history["eval_settings"]))
+    if export_dir:
+        lines.append(f"exported policy: {export_dir}")
+    lines.append("=" * 72)
+    if jax.process_index() == 0:
+        print("\n".join(lines))
+    return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted,
+            "reward_trend": trend, "chance": chance}

@@ -1,0 +1,281 @@
+"""From a validated config to everything a run is: ``assemble(config, mesh, model_cfg, ...)``.
+
+One assembly (DESIGN.md): ``assemble`` turns a config, a mesh and the model's shape into the
+run's optimizer, sampler, sampling settings, packed log-prob passes, train step and the
+abstract checkpointed state (shapes, dtypes and shardings; nothing allocated). ``train``,
+``eval``, ``export`` and the compile-only check ``aot`` all build from it, so the programs
+compiled for a TPU pod or an H100 by ``python -m arlopti_jax.aot`` are the ones ``train`` runs.
+Weights and data are loaded beside it (``load_policy``, ``prompt_dataset``): ``aot`` needs
+neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import jax
+import ml_collections
+import optax
+
+from arlopti_jax import algos
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.store.checkpoint import Checkpointer
+from arlopti_jax.models import ModelConfig, abstract_params, load_params, param_shardings
+from arlopti_jax.rollout import Sampler, SamplingConfig
+from arlopti_jax.tasks.data import BatchIterator, PromptDataset, resolve_data_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Policy:
+    model_cfg: ModelConfig
+    params: dict
+    tokenizer: object
+    model_path: Path
+
+
+def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True) -> tuple[Path, list[Path], list[Path]]:
+    """(model folder, train files, test files). With no model path, the embedded default's
+    start point (built once, in the run folder's parent) supplies all three. With several
+    processes, process 0 builds it on its own devices while the others wait (the folder must be
+    shared, or built beforehand on every host). Evaluation passes ``need_train=False`` (no
+    training files are read). A missing path raises FileNotFoundError naming it."""
+    model = config.model.path
+    train, test = config.data.train_files, config.data.test_files
+    if not model:
+        from arlopti_jax.embedded.start_point import ensure_start_point
+
+        sp = Path(config.run_dir).absolute().parent / "start_point"
+        if jax.process_index() == 0:
+            try:
+                ensure_start_point(sp, seed=0)
+            except (ValueError, OSError) as err:  # a fault of the build, not a bad path: keep its traceback
+                raise RuntimeError(f"building the embedded start point in {sp} failed") from err
+        dist.barrier("arlopti_start_point")
+        model = str(sp / "model")
+        train = train or str(sp / "data" / "train.parquet")
+        test = test or ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
+    if not train and need_train:
+        raise ValueError("config.data.train_files is empty: name the training files or folders")
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"config.model.path={model}: not a Hugging Face model folder (no config.json)")
+
+    def files(field, value):
+        try:
+            return resolve_data_files([p for p in value.split(",") if p]) if value else []
+        except (FileNotFoundError, ValueError) as err:
+            raise type(err)(f"config.data.{field}: {err}") from None
+
+    return Path(model), files("train_files", train) if need_train else [], files("test_files", test)
+
+
+def model_config(config, model_path: Path) -> ModelConfig:
+    """The model's shape from its folder's config.json, with the config's numerics."""
+    m = config.model
+    return ModelConfig.from_pretrained(model_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                                       unroll_layers=m.unroll_layers, attention=m.get("attention", "auto"))
+
+
+def load_policy(config, mesh, model_path: Path) -> Policy:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    model_cfg = model_config(config, model_path)
+    return Policy(model_cfg, load_params(model_path, model_cfg, mesh), tokenizer, model_path)
+
+
+def _as_ids(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def eos_ids(policy: Policy) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's EOS, config.json's ``eos_token_id`` and
+    generation_config.json's (Qwen2.5-Instruct lists both <|im_end|> and <|endoftext|> there)."""
+    ids = {policy.tokenizer.eos_token_id, *_as_ids(policy.model_cfg.eos_token_id)}
+    generation = Path(policy.model_path) / "generation_config.json"
+    if generation.is_file():
+        try:
+            ids.update(_as_ids(json.loads(generation.read_text()).get("eos_token_id")))
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{generation}: not a JSON object ({err})") from None
+    bad = [i for i in ids if i is not None and (type(i) is not int or i < 0)]
+    if bad:
+        raise ValueError(f"EOS token ids {bad} (tokenizer, config.json or generation_config.json of "
+                         f"{policy.model_path}) are not token ids")
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def pad_id(policy: Policy) -> int:
+    """The id that pads prompts and follows a finished response: the tokenizer's pad token, else
+    the first EOS id."""
+    pad = policy.tokenizer.pad_token_id
+    return pad if pad is not None else eos_ids(policy)[0]
+
+
+def sampling_config(config, eos: tuple[int, ...], pad: int, *, greedy: bool = False,
+                    temperature: float | None = None) -> SamplingConfig:
+    """The rollout's sampling settings (``temperature`` replaces rollout.temperature, for evaluation)."""
+    r = config.rollout
+    return SamplingConfig(max_response_len=r.max_response_length,
+                          temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                          top_k=r.top_k, greedy=greedy, eos_ids=eos, pad_id=pad, prompt_bucket=r.prompt_bucket,
+                          length_aware=r.length_aware, phase_tokens=r.phase_tokens, min_rows=r.min_rows)
+
+
+def make_mesh(config, devices=None):
+    """The config's mesh over ``devices`` (default: every device of the job; ``aot`` passes a
+    compile-only topology's); with several processes, each holds a contiguous block of batch rows."""
+    return dist.process_contiguous(shd.make_mesh(dict(config.mesh), devices=devices))
+
+
+def eval_set_name(path: Path) -> str:
+    """A test file's name in metrics: its stem, prefixed by its folder when generic
+    (kk/3ppl/test.parquet -> 3ppl_test; test_2ppl.parquet -> test_2ppl)."""
+    return f"{path.parent.name}_{path.stem}" if path.stem in ("test", "train", "eval", "validation") else path.stem
+
+
+def prompt_dataset(config, files, tokenizer) -> PromptDataset:
+    return PromptDataset(files, tokenizer, max_prompt_length=config.data.max_prompt_length,
+                         prompt_style=config.data.prompt_style)
+
+
+def train_iterator(config, dataset) -> BatchIterator:
+    return BatchIterator(dataset, config.train.batch_prompts, seed=config.data.shuffle_seed, drop_last=True)
+
+
+def total_steps(config, iterator: BatchIterator) -> int:
+    return config.train.max_steps if config.train.max_steps > 0 else config.train.epochs * iterator.steps_per_epoch
+
+
+def tokens_per_micro_batch(config, mesh) -> int:
+    """Tokens per data x fsdp device of one packed micro-batch: ``train.max_tokens_per_micro_batch``,
+    or with 0 the dense micro-batch's per-device share, micro_batch / (data x fsdp) x (max prompt +
+    max response), rounded up to a multiple of 64."""
+    if config.train.max_tokens_per_micro_batch > 0:
+        return config.train.max_tokens_per_micro_batch
+    rows = max(1, config.train.micro_batch // shd.batch_divisor(mesh))
+    longest = config.data.max_prompt_length + config.rollout.max_response_length
+    return -(-rows * longest // 64) * 64
+
+
+def optimizer_steps_per_rl_step(config) -> int:
+    passes = 2 if config.algo.lopti_eta else 1
+    return passes * config.train.batch_prompts * config.rollout.n // config.train.mini_batch
+
+
+def algo_configs(config):
+    a, l = config.algo, config.loss
+    adv = algos.AdvantageConfig(estimator=a.adv_estimator)
+    weights = algos.TokenWeightConfig(weighting=a.weighting, alpha=a.ar_alpha, tr_scale=a.tr_scale, tr_tau=a.tr_tau,
+                                      tr_mu=a.tr_mu, tr_min=a.tr_min, tr_max=a.tr_max,
+                                      entropy_top_fraction=a.get("entropy_top_fraction", 0.0))
+    lopti = algos.LoptiConfig(enabled=a.lopti_eta != 0, eta=a.lopti_eta or 0.5, quantile=a.lopti_split == "quantile")
+    loss = algos.LossConfig(clip_low=l.clip_low, clip_high=l.clip_high, dual_clip=l.dual_clip, kl_coef=l.kl_coef,
+                            kl_type=l.kl_type, entropy_coef=l.entropy_coef, agg=l.agg,
+                            temperature=config.rollout.temperature, mode=l.get("mode", "ppo"),
+                            ratio_level=l.get("ratio_level", "token"),
+                            cispo_max_weight=l.get("cispo_max_weight", 5.0))
+    return adv, weights, lopti, loss
+
+
+def optim_config(config, total_rl_steps: int) -> algos.OptimConfig:
+    """The config's AdamW settings, its schedule counted in optimizer steps over ``total_rl_steps``."""
+    o = config.optim
+    return algos.OptimConfig(lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, eps=o.eps,
+                             grad_clip=o.grad_clip, schedule=o.schedule, warmup_steps=o.warmup_steps,
+                             min_lr_ratio=o.min_lr_ratio,
+                             total_steps=total_rl_steps * optimizer_steps_per_rl_step(config))
+
+
+def make_optimizer(config, total_rl_steps: int):
+    return algos.make_optimizer(optim_config(config, total_rl_steps))
+
+
+def abstract_state(model_cfg: ModelConfig, optimizer, mesh):
+    """Shapes, dtypes and shardings of the checkpointed state, allocating nothing."""
+    p_sh = param_shardings(model_cfg, mesh)
+    params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                    abstract_params(model_cfg), p_sh)
+    o_sh = algos.opt_state_shardings(optimizer, model_cfg, mesh)
+    opt = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                 jax.eval_shape(optimizer.init, params), o_sh)
+    key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32, sharding=shd.replicated(mesh))
+    return {"params": params, "opt_state": opt, "rng": key}
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a run is but its weights and data (``assemble``)."""
+
+    config: ml_collections.ConfigDict
+    mesh: jax.sharding.Mesh
+    model_cfg: ModelConfig
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    total_steps: int  # RL steps
+    optimizer: optax.GradientTransformation
+    adv_cfg: algos.AdvantageConfig
+    weight_cfg: algos.TokenWeightConfig
+    lopti_cfg: algos.LoptiConfig
+    loss_cfg: algos.LossConfig
+    tokens_per_device: int  # of a packed micro-batch
+    sampler: Sampler
+    train_step: algos.TrainStep
+    logprobs: Callable  # ``make_compute_logprobs``: reference and recomputed pi_old passes
+    state: dict  # the checkpointed state's abstract arrays: params, opt_state, rng
+
+    def sampling(self, *, greedy: bool = False, temperature: float | None = None) -> SamplingConfig:
+        """The rollout's sampling settings; evaluation's with ``greedy`` or its ``temperature``."""
+        return sampling_config(self.config, self.eos_ids, self.pad_id, greedy=greedy, temperature=temperature)
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether the run holds the frozen initial policy (the KL term)."""
+        return self.loss_cfg.use_kl
+
+
+def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], pad_id: int,
+             total_steps: int) -> Run:
+    """The run's objects and programs for ``config`` on ``mesh`` (nothing is compiled or allocated
+    here: the programs compile on first use, or ahead of time through ``aot``)."""
+    adv, weights, lopti, loss = algo_configs(config)
+    optimizer = make_optimizer(config, total_steps)
+    tokens = tokens_per_micro_batch(config, mesh)
+    chunk = config.model.logprob_chunk
+    return Run(config=config, mesh=mesh, model_cfg=model_cfg, eos_ids=tuple(eos_ids), pad_id=int(pad_id),
+               total_steps=total_steps, optimizer=optimizer, adv_cfg=adv, weight_cfg=weights, lopti_cfg=lopti,
+               loss_cfg=loss, tokens_per_device=tokens, sampler=Sampler(model_cfg, mesh),
+               train_step=algos.make_train_step(model_cfg, loss, optimizer, mesh, tokens_per_device=tokens,
+                                                chunk_size=chunk, shared_prefix=config.train.shared_prefix),
+               logprobs=algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
+                                                    tokens_per_device=tokens, chunk_size=chunk,
+                                                    shared_prefix=config.train.shared_prefix),
+               state=abstract_state(model_cfg, optimizer, mesh))
+
+
+def checkpointer(config) -> Checkpointer:
+    return Checkpointer(Path(config.run_dir) / "checkpoints", max_to_keep=config.train.keep_checkpoints)
+
+
+def restore_from(config, ckpt: Checkpointer, target):
+    """``(step, state, meta)`` per ``config.resume``, or None for a fresh start."""
+    if config.resume == "none":
+        if ckpt.steps():
+            raise ValueError(f"config.resume='none' but {ckpt.directory} already holds checkpoints "
+                             f"{ckpt.steps()}: use resume=auto or another run_dir")
+        return None
+    if config.resume == "auto":
+        return ckpt.restore_latest(target)
+    folder = Path(config.resume)
+    if not folder.is_dir() or not folder.name.isdigit():
+        raise ValueError(f"config.resume={config.resume!r}: not a checkpoint step folder (…/checkpoints/<step>)")
+    other = Checkpointer(folder.parent, max_to_keep=10**6)
+    state, meta = other.restore(int(folder.name), target)
+    other.close()
+    return int(folder.name), state, meta

@@ -1,0 +1,270 @@
+"""Multi-process runs: joining the processes, each one's share of a batch, small collectives.
+
+Every process runs the same command (``launch/``). ``initialize`` joins them with
+``jax.distributed.initialize`` before any JAX computation, taking the coordinator address,
+process count and process id from ``config.distributed.*``, else from SLURM's variables
+(GPU clusters), else letting JAX detect a Cloud TPU pod. After that ``jax.devices()`` lists
+every process's devices and a jitted program runs on all of them (each process launching
+it on its own).
+
+How a training step splits (DESIGN.md's step, per process):
+- the data iterator is deterministic and the same everywhere; process p takes block p of
+  each global batch of prompts (``block``), so a prompt's whole group of responses stays on
+  one process (GRPO statistics need the group);
+- the sampler assembles global arrays from process-local rows
+  (``jax.make_array_from_process_local_data``) and returns this process's responses, which
+  this process decodes and scores;
+- ``global_rows`` assembles the process-local rewards and token arrays into global arrays
+  for the advantages and the update (``update_on_batch`` then moves mini-batch rows between
+  devices inside jit);
+- metrics are computed from ``gather``-ed per-response values, so process 0 logs global
+  numbers; the preemption flag is agreed with ``any_process`` so every host saves the same
+  step.
+Each process must hold whole batch rows: ``process_contiguous`` arranges the mesh so that
+process p's devices hold one contiguous block of the batch (tensor parallelism stays inside
+a process). With one process every helper here is the identity: single-process runs are
+unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.runtime.startup import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
+    m = re.match(r"([^,\[]+)(?:\[([^,\]-]+))?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse the SLURM node list {nodelist!r}")
+    return m.group(1) + (m.group(2) or "")
+
+
+def _slurm_tasks_on_this_node(environ: Mapping[str, str]) -> int:
+    """Tasks per node from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ('4(x2),2' -> 4)."""
+    value = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
+    return int(re.match(r"\d+", value).group(0))
+
+
+def _on_tpu_vm() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        return False
+    return os.path.exists("/dev/accel0") or os.path.isdir("/dev/vfio") and any(
+        name.isdigit() for name in os.listdir("/dev/vfio"))
+
+
+def cluster_settings(config, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """Keyword arguments for ``jax.distributed.initialize``, or None for a single process.
+
+    Each of coordinator / num_processes / process_id comes from ``config.distributed`` when
+    set, else from SLURM (srun: SLURM_NTASKS, SLURM_PROCID, the first node of
+    SLURM_STEP_NODELIST on a port derived from SLURM_JOB_ID). ``coordinator='auto'`` (or a
+    Cloud TPU VM with nothing set) leaves all three to JAX's own detection (TPU pods).
+    """
+    env = os.environ if environ is None else environ
+    d = config.distributed
+    if d.coordinator == "auto":
+        return {}
+    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+    coordinator = d.coordinator or None
+    num = d.num_processes if d.num_processes > 0 else (int(env["SLURM_NTASKS"]) if slurm else None)
+    pid = d.process_id if d.process_id >= 0 else (int(env["SLURM_PROCID"]) if slurm else None)
+    if coordinator is None and slurm and num and num > 1:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
+        port = int(env.get("SLURM_JOB_ID", "0")) % 4096 + 61440  # JAX's own choice of port
+        coordinator = f"{_slurm_first_host(nodes)}:{port}"
+    if coordinator is None and num is None and pid is None:
+        return {} if _on_tpu_vm() else None
+    if num is not None and num == 1 and not coordinator:
+        return None
+    for field, value, ok in (("distributed.coordinator", coordinator, bool(coordinator) and ":" in str(coordinator)),
+                             ("distributed.num_processes", num, num is not None and num >= 1),
+                             ("distributed.process_id", pid, pid is not None and 0 <= pid < (num or 0))):
+        if not ok:
+            raise ConfigError(f"config.{field}={value!r} is invalid: a multi-process run needs "
+                              "distributed.coordinator=HOST:PORT, distributed.num_processes >= 1 and "
+                              "0 <= distributed.process_id < num_processes (or SLURM's srun variables)")
+    out = dict(coordinator_address=coordinator, num_processes=num, process_id=pid,
+               cluster_detection_method="deactivate")
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if slurm and _slurm_tasks_on_this_node(env) > 1 and "SLURM_LOCALID" in env and (visible is None or "," in visible):
+        out["local_device_ids"] = [int(env["SLURM_LOCALID"])]  # one process per GPU, all GPUs visible
+    return out
+
+
+def initialize(config) -> bool:
+    """Join the other processes (before any JAX computation); True when this is a multi-process run."""
+    settings = cluster_settings(config)
+    if settings is None:
+        return False
+    if "cpu" in os.environ.get("JAX_PLATFORMS", "").split(","):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_s))
+    log.info("process %d of %d: %d local devices of %d", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+    return jax.process_count() > 1
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def block(total: int, index: int | None = None, count: int | None = None) -> slice:
+    """Process ``index``'s contiguous block of ``total`` items (sizes as ``np.array_split``)."""
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+    size, extra = divmod(total, count)
+    start = index * size + min(index, extra)
+    return slice(start, start + size + (index < extra))
+
+
+# ---- the mesh: whole batch rows per process ----
+
+def _row_blocks(mesh: Mesh) -> dict[int, set[int]]:
+    rows = shd.batch_divisor(mesh)
+    out: dict[int, set[int]] = {}
+    for device, index in shd.batch_sharding(mesh, 1).devices_indices_map((rows,)).items():
+        out.setdefault(device.process_index, set()).update(range(*index[0].indices(rows)))
+    return out
+
+
+def mesh_processes(mesh: Mesh) -> int:
+    """How many processes hold ``mesh``'s devices (a compile-only pod topology's hosts included)."""
+    return len({d.process_index for d in mesh.devices.flat})
+
+
+def _rows_contiguous(mesh: Mesh) -> bool:
+    per = shd.batch_divisor(mesh) / mesh_processes(mesh)
+    return all(len(r) == per and max(r) - min(r) + 1 == per for r in _row_blocks(mesh).values())
+
+
+def process_contiguous(mesh: Mesh) -> Mesh:
+    """``mesh``, or the same axes over a process-major device order, so that each process's
+    devices hold one contiguous block of the batch rows. ConfigError if no order can (tensor
+    parallelism across processes, or a data x fsdp size the processes do not divide)."""
+    processes = mesh_processes(mesh)
+    if processes == 1 or _rows_contiguous(mesh):
+        return mesh
+    devices = sorted(mesh.devices.flat, key=lambda d: d.process_index)  # stable: keeps the local order
+    reordered = Mesh(np.asarray(devices).reshape(mesh.devices.shape), mesh.axis_names,
+                     axis_types=mesh.axis_types)
+    if not _rows_contiguous(reordered):
+        raise ConfigError(f"config.mesh={dict(mesh.shape)} is invalid for {processes} processes of "
+                          f"{mesh.devices.size // processes} devices: each process must hold whole batch rows, so "
+                          "data x fsdp must be a multiple of the process count and tensor must divide the "
+                          "devices of one process")
+    log.info("mesh devices reordered process-major so each process holds a contiguous block of the batch")
+    return reordered
+
+
+def validate(config, mesh: Mesh) -> None:
+    """Multi-process constraints, as ConfigError naming the field."""
+    count = mesh_processes(mesh)
+    if count == 1:
+        return
+    process_contiguous(mesh)
+    if config.train.batch_prompts % count:
+        raise ConfigError(f"config.train.batch_prompts={config.train.batch_prompts} is invalid: must be a "
+                          f"multiple of the process count {count} (each process samples and scores its own "
+                          "prompts)")
+
+
+# ---- host <-> global arrays ----
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in row order (all rows with one process)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    pieces = {}
+    for shard in x.addressable_shards:
+        start = shard.index[0].indices(x.shape[0])[0] if x.ndim else 0
+        pieces.setdefault(start, shard.data)  # replicas (tensor axis) hold the same rows
+    starts = sorted(pieces)
+    out = np.concatenate([np.asarray(pieces[s]) for s in starts]) if x.ndim else np.asarray(pieces[0])
+    if x.ndim and starts[0] + out.shape[0] != starts[-1] + pieces[starts[-1]].shape[0]:
+        raise ValueError(f"this process's rows of an array sharded as {x.sharding} are not contiguous")
+    return out
+
+
+def to_host(x) -> np.ndarray:
+    """The whole value of ``x`` on every process (a collective when it is spread over processes)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def global_rows(tree, mesh: Mesh):
+    """Process-local host arrays (rows of this process) -> global arrays sharded over the batch
+    axes, their rows the processes' rows in mesh order. With one process: ``tree`` unchanged."""
+    if jax.process_count() == 1:
+        return tree
+
+    def put(x):
+        x = np.asarray(x)
+        sharding = NamedSharding(mesh, P(shd.BATCH_AXES, *([None] * (x.ndim - 1))))
+        return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * jax.process_count(),) + x.shape[1:])
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def replicated(x, mesh: Mesh):
+    """A small host value that every process holds -> a global array replicated over ``mesh``
+    (orbax saves only global arrays in a multi-process run). With one process: ``x`` unchanged."""
+    if jax.process_count() == 1:
+        return x
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, shd.replicated(mesh), lambda index: x[index])
+
+
+def _allgather(x: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+def gather(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every process's rows of each host array, concatenated in process order (any number of
+    rows per process). With one process: the arrays unchanged."""
+    if jax.process_count() == 1:
+        return arrays
+    counts = _allgather(np.array([len(a) for a in arrays], np.int64))  # [P, len(arrays)]
+    out = []
+    for i, a in enumerate(arrays):
+        a = np.asarray(a)
+        dtype = a.dtype
+        width = int(counts[:, i].max())
+        padded = np.zeros((width,) + a.shape[1:], np.int32 if dtype == bool else dtype)
+        padded[: len(a)] = a
+        stacked = _allgather(padded)  # [P, width, ...]
+        out.append(np.concatenate([stacked[p, : counts[p, i]] for p in range(len(counts))]).astype(dtype))
+    return tuple(out)
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any (e.g. SIGTERM reached one host)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(_allgather(np.array([int(bool(flag))], np.int32)).max())
+
+
+def barrier(name: str, timeout_s: int = 3600) -> None:
+    """Wait until every process reaches ``name`` (no-op with one process)."""
+    if jax.process_count() > 1:
+        from orbax.checkpoint import multihost
+
+        multihost.sync_global_processes(name, timeout=timeout_s)

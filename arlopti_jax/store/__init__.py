@@ -1,0 +1,1 @@
+"""What a run writes: orbax checkpoints, and metrics (TensorBoard and metrics.jsonl)."""

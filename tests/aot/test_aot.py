@@ -1,0 +1,290 @@
+"""The compile-only check (``python -m arlopti_jax.aot``): one RL step's programs compiled for a TPU
+slice and an H100 by their own compilers, the compiler's memory against an independent count, and
+the one-line error of a config that cannot fit."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from arlopti_jax.aot import targets
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="the compile-only compilers: pip install -e '.[aot]'")
+pytest.importorskip("libtpu", reason="the compile-only compilers: pip install -e '.[aot]'")
+
+
+def small_config(**overrides):
+    """The embedded default's model with short sequences: every kind of program, quickly."""
+    from arlopti_jax.embedded.default import get_config
+
+    c = get_config()
+    c.data.max_prompt_length, c.rollout.max_response_length, c.rollout.prompt_bucket = 32, 16, 32
+    c.train.batch_prompts, c.rollout.n, c.train.mini_batch, c.train.micro_batch = 8, 4, 16, 8
+    c.loss.kl_coef = 0.001  # the reference pass too
+    for key, value in overrides.items():
+        group, field = key.split(".")
+        c[group][field] = value
+    return c
+
+
+@pytest.mark.parametrize("name", [n for n in targets.TARGETS])
+def test_every_named_target_has_its_chips_on_its_hosts(name):
+    """Each target's compile-only devices: as many as the slice has chips (a v4 chip is one
+    device over its two cores, as the pod runs it), spread over its hosts (processes) evenly."""
+    target = targets.get(name)
+    found = targets.devices(target)
+    want_chips = {"v5e-1": 1, "v5e-8": 8, "v5e-16": 16, "v5e-256": 256, "v5p-8": 4, "v5p-64": 32, "v4-32": 16,
+                  "h100": 1, "h100x8": 8}[name]  # v5p and v4 names count TensorCores, two per chip
+    assert len(found) == want_chips
+    if target.platform == "tpu":
+        hosts = {d.process_index for d in found}
+        assert len(hosts) == target.hosts and all(
+            sum(d.process_index == h for d in found) == want_chips // target.hosts for h in hosts)
+
+
+def test_one_rl_step_compiles_for_a_tpu_slice():
+    """Every kind of program (the length-aware schedule's, the reference log-prob pass) for v5e-8."""
+    from arlopti_jax.aot.check import check
+
+    record = check(small_config(**{"rollout.length_aware": True, "rollout.min_rows": 4, "rollout.phase_tokens": 8,
+                                   "train.batch_prompts": 16, "train.mini_batch": 32}), targets.get("v5e-8"))
+    names = [p["name"] for p in record["programs"]]
+    assert names[:2] == ["prefill", "start"] and any(n.startswith("decode") for n in names)
+    assert any(n.startswith("grow") for n in names) and any(n.startswith("compact") for n in names)
+    assert [n.split()[0] for n in names[-4:]] == ["log-probs", "zeros", "accumulate", "apply"]
+    assert record["fits"] and record["mesh"]["fsdp"] == 8 and record["processes"] == 1
+    for p in record["programs"]:
+        assert p["compile_s"] > 0 and p["peak_bytes_per_device"] >= record["resident_bytes_per_device"]
+    accumulate = next(p for p in record["programs"] if p["name"].startswith("accumulate"))
+    assert accumulate["memory"]["alias"] > 0  # the gradient accumulator is donated
+    assert accumulate["flops"] > 0 and accumulate["hlo_bytes"] > 0  # XLA:TPU's cost analysis, and the HLO's
+    assert accumulate["collectives"]["all-gather"]["count"] > 0  # fsdp gathers the weights
+
+
+def test_one_rl_step_compiles_for_an_h100():
+    """The dense sampler and the update for one H100: no cost analysis from XLA:GPU, so bytes come
+    from the HLO and launches from the thunk sequence."""
+    from arlopti_jax.aot.check import check
+
+    record = check(small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False}), targets.get("h100"))
+    names = [p["name"].split()[0] for p in record["programs"]]
+    # on a GPU the sampler takes its own per-layer copy of the weights first (Sampler.sampling_params)
+    assert names == ["sampling", "prefill", "start", "decode", "zeros", "accumulate", "apply"] and record["fits"]
+    accumulate = next(p for p in record["programs"] if p["name"].startswith("accumulate"))
+    assert accumulate["hlo_bytes"] > 0 and accumulate["flops"] is None and not accumulate["collectives"]
+    assert accumulate["hlo_flops"] > 0  # counted from the HLO (Module.flops; its own test below)
+    decode = next(p for p in record["programs"] if p["name"].startswith("decode"))
+    assert decode["gpu"]["loops"] and decode["gpu"]["loops"][0]["kernels"] + decode["gpu"]["loops"][0][
+        "command_buffers"] > 0, decode["gpu"]
+
+
+def test_compiler_argument_bytes_equal_a_count_of_the_sharded_state():
+    """The optimizer step's arguments on 8 H100s (dense layouts: a TPU pads small dimensions to its
+    (8, 128) tiles) are the parameters, the AdamW moments and the float32 gradient accumulator:
+    4 x 4 bytes per parameter, split 8 ways except the norms and the attention biases (no
+    dimension that fsdp shards), plus a few dozen scalars."""
+    from arlopti_jax.aot.check import check
+    from arlopti_jax.embedded.start_point import SCALES, model_config
+
+    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False})
+    record = check(config, targets.get("h100x8"), groups=("update",))
+    cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"])
+    replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * (
+        cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_device = (cfg.num_params() - replicated) / 8 + replicated
+    apply = next(p for p in record["programs"] if p["name"].startswith("apply"))
+    # the parameters, two moments and the gradient accumulator, + scalars: counts, hyperparameters, stats
+    assert 0 <= apply["memory"]["argument"] - 16 * per_device < 256, apply["memory"]
+    assert apply["memory"]["alias"] >= 12 * per_device  # parameters and moments updated in place
+    assert record["resident_bytes_per_device"] - 12 * per_device < 64  # no reference policy
+
+
+def test_a_config_that_cannot_fit_gets_one_line():
+    env = {**os.environ, "XLA_FLAGS": ""}
+    args = ["--config.train.batch_prompts=512", "--config.rollout.n=16", "--config.rollout.max_response_length=8192",
+            "--config.train.mini_batch=8192", "--config.train.micro_batch=8"]
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.aot", "--target=v5e-8", *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in proc.stderr.strip().splitlines() if line]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: v5e-8: "), proc.stderr[-3000:]
+    assert "GiB" in lines[0] and "rollout" in lines[0] and "max_response_length" in lines[0]
+
+
+def test_an_unknown_target_or_a_layout_the_slice_cannot_hold_is_one_line():
+    env = {**os.environ, "XLA_FLAGS": ""}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "arlopti_jax.aot", *args], capture_output=True,
+                                       text=True, env=env, timeout=600)
+    unknown = run("--target=v9-1")
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+        f"error: --target=v9-1: unknown; targets are {', '.join(targets.TARGETS)}, local"]
+    # tensor parallelism across v5e-16's hosts (4 chips each): no process holds whole batch rows
+    across = run("--target=v5e-16", "--config.mesh.fsdp=2", "--config.mesh.tensor=8", "--config.train.micro_batch=2")
+    lines = across.stderr.strip().splitlines()
+    assert across.returncode == 2 and len(lines) == 1 and "config.mesh" in lines[0], across.stderr[-2000:]
+
+
+def test_hlo_bytes_count_slices_and_in_place_updates():
+    """The byte model on a hand-written module: a fusion reading one row of a matrix through a
+    dynamic slice costs the row; an in-place dynamic-update-slice costs the update."""
+    from arlopti_jax.aot import hlo
+
+    text = """HloModule m
+
+%fused_slice (p0: f32[64,256], p1: s32[]) -> f32[1,256] {
+  %p0 = f32[64,256]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[1,256]{1,0} dynamic-slice(%p0, %p1, %c), dynamic_slice_sizes={1,256}
+}
+
+%fused_update (q0: f32[64,256], q1: f32[1,256], q2: s32[]) -> f32[64,256] {
+  %q0 = f32[64,256]{1,0} parameter(0)
+  %q1 = f32[1,256]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[64,256]{1,0} dynamic-update-slice(%q0, %q1, %q2, %z)
+}
+
+ENTRY %main (a: f32[64,256], i: s32[]) -> f32[64,256] {
+  %a = f32[64,256]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %row = f32[1,256]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_slice
+  ROOT %out = f32[64,256]{1,0} fusion(%a, %row, %i), kind=kLoop, calls=%fused_update
+}
+"""
+    module = hlo.Module(text)
+    row = 256 * 4
+    # slice: reads the row + the index, writes the row; update: reads the row + index, writes the row
+    assert module.bytes() == (row + 4 + row) + (row + 4 + row)
+    assert hlo.shape_bytes("(bf16[2,3]{1,0}, s32[])") == 2 * 6 + 4
+    assert np.isclose(hlo.shape_bytes("pred[10]"), 10)
+
+
+def test_collective_payloads_are_the_results_of_each_async_form():
+    """The async starts' tuples as XLA:TPU and XLA:GPU print them: a collective-permute's (the
+    windowed einsum's ring on a v5p-64) ends in two u32 contexts, a combined all-gather's holds its
+    operands then its results; each is counted as its results' bytes."""
+    from arlopti_jax.aot import hlo
+
+    text = """HloModule m
+
+ENTRY %main (w: bf16[1,112,28,128], a: s32[1,64], b: f32[16,1024], g: f32[1024,128], r: f32[2184]) -> f32[2184] {
+  %w = bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)} parameter(0)
+  %a = s32[1,64]{1,0} parameter(1)
+  %b = f32[16,1024]{1,0} parameter(2)
+  %g = f32[1024,128]{0,1} parameter(3)
+  %r = f32[2184]{0} parameter(4)
+  %cp = (bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%w), channel_id=9, source_target_pairs={{0,1},{1,0}}
+  %cpd = bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)} collective-permute-done(%cp)
+  %ag = ((s32[1,64]{1,0}, f32[16,1024]{1,0}), (s32[8,64]{1,0}, f32[128,1024]{1,0})) all-gather-start(%a, %b), dimensions={0}
+  %agd = (s32[8,64]{1,0}, f32[128,1024]{1,0}) all-gather-done(%ag)
+  %rs = ((f32[1024,128]{0,1}), f32[1024,16]{0,1}) reduce-scatter-start(%g), dimensions={1}
+  %rsd = f32[1024,16]{0,1} reduce-scatter-done(%rs)
+  %ar = f32[2184]{0} all-reduce-start(%r), to_apply=%add
+  ROOT %ard = f32[2184]{0} all-reduce-done(%ar)
+}
+"""
+    found = hlo.Module(text).collectives()
+    assert found["collective-permute"] == {"count": 1, "bytes": 112 * 28 * 128 * 2}
+    assert found["all-gather"] == {"count": 1, "bytes": 8 * 64 * 4 + 128 * 1024 * 4}
+    assert found["reduce-scatter"] == {"count": 1, "bytes": 1024 * 16 * 4}
+    assert found["all-reduce"] == {"count": 1, "bytes": 2184 * 4}
+
+
+def test_the_tpu_estimate_loses_its_second_per_concat_bitcast():
+    """libtpu's estimate of a decode step counts each ConcatBitcast custom call as -1 s: a 2-layer
+    step's -3998.1 ms with four of them is 1.9 ms; one that stays negative is unusable."""
+    from arlopti_jax.aot import hlo
+
+    call = '  %c{i} = bf16[2,64]{{1,0}} custom-call(%a, %b), custom_call_target="ConcatBitcast"\n'
+    text = "".join(call.format(i=i) for i in range(4))
+    assert np.isclose(hlo.tpu_estimate(-3.9981, text), 0.0019)
+    assert hlo.tpu_estimate(0.0021, "") == 0.0021
+    assert hlo.tpu_estimate(-1.5, call.format(i=0)) is None and hlo.tpu_estimate(None, text) is None
+
+
+def test_tpu_cycles_are_summed_by_the_operation_that_made_each_kernel():
+    """Three kernels of two source operations (one from a backward pass) and one kernel without
+    metadata: cycles summed per op_name prefix, largest first; lines without a cost are skipped."""
+    from arlopti_jax.aot import hlo
+
+    kernel = ('  %f{i} = bf16[8]{{0}} fusion(%a), kind=kOutput, calls=%c{i}, metadata={{op_name="{op}"}}, '
+              'backend_config={{"window_config":{{"estimated_cycles":"{cycles}"}}}}\n')
+    text = (kernel.format(i=0, op="jit(step)/Block/attn/qk/dot_general", cycles=300)
+            + kernel.format(i=1, op="jit(step)/Block/attn/qk/dot_general", cycles=200)
+            + kernel.format(i=2, op="jit(step)/transpose(jvp(Block))/mlp/up/dot_general", cycles=700)
+            + '  %f3 = bf16[8]{0} fusion(%a), backend_config={"window_config":{"estimated_cycles":"9"}}\n'
+            + '  %p = bf16[8]{0} parameter(0), metadata={op_name="jit(step)/Block/attn/qk/dot_general"}\n')
+    got = hlo.tpu_cycles_by_op(text)
+    assert got == {"transpose(jvp(Block))/mlp/up": 700, "Block/attn/qk": 500, "(no op_name)": 9}
+    assert list(got) == ["transpose(jvp(Block))/mlp/up", "Block/attn/qk", "(no op_name)"]
+
+
+def test_a_growth_or_compaction_that_does_not_fit_is_told_to_decode_in_one_phase():
+    """Those programs hold two KV caches (7B on a v5e-16 was refused at a compaction): the advice
+    names the one-phase settings; a decode step's advice does not."""
+    from arlopti_jax.aot.check import advice
+
+    for program in ("grow rows=64 slots=2496", "compact rows=64 slots=4544"):
+        text = advice("rollout", False, program)
+        assert "two KV caches" in text and "rollout.phase_tokens=rollout.max_response_length" in text
+    assert "phase_tokens" not in advice("rollout", False, "decode rows=64 slots=4544")
+    assert advice("rollout", True, "grow rows=64 slots=2496").startswith("the resident state dominates")
+
+
+def test_hlo_flops_of_an_h100_program_equal_the_products_it_computes():
+    """XLA:GPU compile-only gives no cost analysis; ``Module.flops`` counts the matrix products of
+    the optimized HLO. Forward and backward of cuDNN's masked attention and a projection, compiled
+    for an H100, against the count by hand: attention 4 B N T S H forward and 10 B N T S H backward
+    (scores, output; recomputed scores, dP, dV, dQ, dK), the projection 2 T D F forward and twice
+    that backward (dX and dW); and a dot inside a known-trip-count loop counted per trip."""
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax.aot import hlo
+
+    b, t, n, kv, h, f = 2, 256, 4, 2, 64, 384
+    d = n * h
+    mesh_device = targets.devices(targets.get("h100"))[0]
+    sharding = jax.sharding.SingleDeviceSharding(mesh_device)
+
+    def loss(q, k, v, w, mask):
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        return jnp.sum(jnp.square((out.reshape(b * t, d) @ w).astype(jnp.float32)))  # dY varies: dX is a product
+
+    shapes = [(b, t, n, h), (b, t, kv, h), (b, t, kv, h), (d, f)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in shapes]
+    args.append(jax.ShapeDtypeStruct((b, 1, t, t), jnp.bool_, sharding=sharding))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    module = hlo.Module(grad.lower(*args).compile().as_text())
+    attention = (4 + 10) * b * n * t * t * h
+    projection = 3 * 2 * (b * t) * d * f
+    assert module.flops() == pytest.approx(attention + projection, rel=0.01)
+
+    loop = """HloModule m
+
+%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,16]{1,0} constant({...})
+  %y = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %r = (s32[], f32[8,16]{1,0}) tuple(%i, %y)
+}
+
+%cond (c: (s32[], f32[8,16])) -> pred[] {
+  %c = (s32[], f32[8,16]{1,0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8,16]) -> (s32[], f32[8,16]) {
+  %a = f32[8,16]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %a)
+  ROOT %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+    assert hlo.Module(loop).flops() == 5 * 2 * 8 * 16 * 16

