@@ -1,6 +1,6 @@
 """Render a run's TensorBoard scalars to a PNG (no TensorBoard server needed).
 
-    python -m arlopti_jax.plot runs/default --out docs/default_run.png
+    python -m arlopti_jax.plot runs/default --out docs/results/default_run.png
 
 Reads the event files under ``<run>/tb`` directly (TFRecord framing, tensorboardX's
 protobufs) and draws a grid of the main curves with matplotlib.

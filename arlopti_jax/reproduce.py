@@ -1,10 +1,10 @@
 """The paper's comparison at small scale, in one command: five variants x several seeds.
 
-    python -m arlopti_jax.reproduce                       # the full sweep (see docs/reproduction.md)
+    python -m arlopti_jax.reproduce                       # the full sweep (see docs/results/reproduction.md)
     python -m arlopti_jax.reproduce --quick               # a smoke test of the whole pipeline (minutes)
     python -m arlopti_jax.reproduce --out runs/repro --seeds 0,1,2 --variants grpo,grpo_ar_lopti
     python -m arlopti_jax.reproduce --scale gpu --jobs 5  # on one GPU: 3-5 people, a 24M model, 5 runs at once
-    python -m arlopti_jax.reproduce --scale smollm2       # a real pretrained model (docs/real_model.md)
+    python -m arlopti_jax.reproduce --scale smollm2       # a real pretrained model (docs/results/real_model.md)
     python -m arlopti_jax.reproduce --scale smollm2 --variants grpo_2x_steps   # Lopti's step count, for GRPO
     python -m arlopti_jax.reproduce --scale smollm2 --matched --out OUT         # 8 methods, step-matched, own rates
 

@@ -49,7 +49,7 @@ def get_config(arg: str = "3b,grpo_ar_lopti"):
     c.rollout.max_response_length = 4096
     # bf16: the sampler's log-probs and a teacher-forced pass can differ enough to clip tokens before
     # the policy moves (6.4% of the first mini-batch against 1.1% with recompute, on a random 1.5B
-    # model with logits scaled x3; 0% for both unscaled): docs/benchmarks.md, GPU section
+    # model with logits scaled x3; 0% for both unscaled): docs/measurements/journal.md, GPU section
     c.rollout.recompute_old_logprobs = True
     c.algo.adv_estimator = estimator
     c.algo.weighting, c.algo.ar_alpha, c.algo.lopti_eta = weighting, alpha, eta

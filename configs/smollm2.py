@@ -8,7 +8,7 @@
 The argument is SCALE,VARIANT (both optional):
   SCALE    cpu (default: 2 CPU cores in about half an hour) | gpu (one accelerator)
   VARIANT  grpo | grpo_ar | grpo_lopti | grpo_ar_lopti (default) | tr_grpo
-The task and its level were chosen by measuring the model (docs/real_model.md): with a worked
+The task and its level were chosen by measuring the model (docs/results/real_model.md): with a worked
 example in the prompt, it answers about 6 in 10 problems right greedily and fewer when
 sampling, so groups of 8 samples hold both right and wrong answers. The held-out test
 problems use operand pairs no training problem uses.

@@ -15,7 +15,7 @@
 #             run_dir (checkpoints), the model folder and the data must be visible to all workers
 #   --skip-install  reuse the code and virtual environment already on the workers
 #
-# Example (3B, 16 v5e chips on 4 hosts; see docs/memory.md for the layout):
+# Example (3B, 16 v5e chips on 4 hosts; see docs/reference/memory.md for the layout):
 #   launch/tpu_pod.sh --name rl-v5e --zone us-west4-a --type v5litepod-16 --bucket my-bucket -- \
 #       --config=configs/layouts/v5e16.py:3b,grpo_ar_lopti \
 #       --config.model.path=/mnt/my-bucket/models/Qwen2.5-3B-Instruct \

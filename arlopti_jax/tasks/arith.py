@@ -4,7 +4,7 @@
     python -m arlopti_jax.tasks.arith --out data/arith --ops add,sub --max-operand 20
 
 A task a small pretrained instruct model can start on (SmolLM2-135M-Instruct answers about
-six in ten of the default problems greedily and fewer when sampling; docs/real_model.md), so
+six in ten of the default problems greedily and fewer when sampling; docs/results/real_model.md), so
 that RL has groups with both right and wrong answers. Each prompt is a chat: a one-line
 system message, one worked example (user question, assistant answer ending in
 ``\\boxed{7}``), then the question. Rows use the public math files' schema (``prompt`` as

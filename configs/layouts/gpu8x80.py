@@ -1,4 +1,4 @@
-"""The paper's K&K runs laid out on 8 GPUs of 80 GB (H100 / A100-80GB), one node (docs/memory.md).
+"""The paper's K&K runs laid out on 8 GPUs of 80 GB (H100 / A100-80GB), one node (docs/reference/memory.md).
 
     python -m arlopti_jax.train --config=configs/layouts/gpu8x80.py:7b,grpo_ar_lopti \
         --config.model.path=/models/Qwen2.5-7B-Instruct-1M --config.run_dir=runs/kk7b

@@ -1,11 +1,11 @@
-"""The paper's K&K runs laid out on a TPU v5e-16 slice: 16 chips of 16 GiB on 4 hosts (docs/memory.md).
+"""The paper's K&K runs laid out on a TPU v5e-16 slice: 16 chips of 16 GiB on 4 hosts (docs/reference/memory.md).
 
     launch/tpu_pod.sh --name rl-v5e --zone us-west4-a --type v5litepod-16 --bucket BUCKET -- \
         --config=configs/layouts/v5e16.py:3b,grpo_ar_lopti --config.model.path=/mnt/BUCKET/... \
         --config.run_dir=/mnt/BUCKET/runs/kk3b
 
 The argument is configs/kk.py's MODEL,VARIANT. 3B: fsdp=16 with remat, float32 master weights;
-compiled for a v5e-16 (python -m arlopti_jax.aot, docs/aot/) the step peaks at 11.6 GiB per chip
+compiled for a v5e-16 (python -m arlopti_jax.aot, docs/measurements/aot/) the step peaks at 11.6 GiB per chip
 (the sampler's compaction from 32 to 16 rows at 4,544 slots; bench/memory_plan.py estimated 8.9).
 7B does not fit with float32 master weights on any layout (bench/memory_plan.py). With bfloat16
 weights and AdamW state (param_dtype=bfloat16: less precise updates at lr 1e-6, where bf16

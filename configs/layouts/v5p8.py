@@ -1,10 +1,10 @@
-"""The paper's K&K runs laid out on a TPU v5p-8: 4 chips of 95 GiB, one host (docs/memory.md).
+"""The paper's K&K runs laid out on a TPU v5p-8: 4 chips of 95 GiB, one host (docs/reference/memory.md).
 
     launch/tpu_pod.sh --name rl-v5p --zone us-east5-a --type v5p-8 -- \
         --config=configs/layouts/v5p8.py:7b,grpo_ar_lopti --config.model.path=... --config.run_dir=...
 
 The argument is configs/kk.py's MODEL,VARIANT. fsdp=4 with per-layer remat fits both models,
-float32 master weights: compiled for a v5p-8 (python -m arlopti_jax.aot, docs/aot/), the step's
+float32 master weights: compiled for a v5p-8 (python -m arlopti_jax.aot, docs/measurements/aot/), the step's
 peak is 47.0 GiB per chip for 3B and 83.5 GiB for 7B, both at the sampler's compaction from 128
 to 64 rows at 4,544 slots (bench/memory_plan.py's estimate: 32 and 60 GiB); data=2 x fsdp=2 does
 not fit 7B. micro_batch = 4: one sequence per chip per micro-batch.
