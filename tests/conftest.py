@@ -34,10 +34,12 @@ def start_point(tmp_path_factory):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under CI=true a skipped real-model test fails: a missing model file must not pass quietly."""
+    """Under CI=true a skipped real-model or shared-data test fails: a missing model file or data
+    folder must not pass quietly."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and os.environ.get("CI") == "true" and item.get_closest_marker("real_model"):
+    needs = next((m for m in ("real_model", "shared_data") if item.get_closest_marker(m)), None)
+    if report.skipped and os.environ.get("CI") == "true" and needs:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"a real-model test was skipped under CI=true: {reason}"
+        report.longrepr = f"a {needs.replace('_', '-')} test was skipped under CI=true: {reason}"

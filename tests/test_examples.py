@@ -61,21 +61,34 @@ def _shell_commands(text: str) -> list[str]:
     return [c for c in out if c]
 
 
-def readme_examples() -> list[tuple[str, str, str]]:
+def markdown_examples(path: Path) -> list[tuple[str, str, str]]:
     """(where, kind, text): fenced bash and python blocks, and inline `python ...` commands."""
-    text = (REPO / "README.md").read_text()
+    text = path.read_text()
+    name = str(path.relative_to(REPO))
     out = []
     for m in re.finditer(r"^```(bash|python)\n(.*?)^```", text, re.MULTILINE | re.DOTALL):
         line = text[: m.start()].count("\n") + 1
         if m.group(1) == "python":
-            out.append((f"README.md:{line}", "python", m.group(2)))
+            out.append((f"{name}:{line}", "python", m.group(2)))
         else:
-            out += [(f"README.md:{line}", "shell", c) for c in _shell_commands(m.group(2))]
+            out += [(f"{name}:{line}", "shell", c) for c in _shell_commands(m.group(2))]
     prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
     for m in re.finditer(r"`((?:\.venv/bin/)?python3? [^`]+)`", prose):
         if m.group(1).split()[1] != "-":  # `python -` names stdin, not a command
-            out.append(("README.md (inline)", "shell", m.group(1)))
+            out.append((f"{name} (inline)", "shell", m.group(1)))
     return out
+
+
+def readme_examples() -> list[tuple[str, str, str]]:
+    return markdown_examples(REPO / "README.md")
+
+
+GUIDES = sorted((REPO / "docs" / "guides").glob("*.md"))
+
+
+def guide_examples() -> list[tuple[str, str, str]]:
+    """The commands of docs/guides/*.md: a guide is followed step by step, so every command runs."""
+    return [e for path in GUIDES for e in markdown_examples(path)]
 
 
 def config_examples() -> list[tuple[str, str, str]]:
@@ -89,7 +102,7 @@ def config_examples() -> list[tuple[str, str, str]]:
     return out
 
 
-EXAMPLES = [e for e in readme_examples() + config_examples() if e[1] == "shell"]
+EXAMPLES = [e for e in readme_examples() + guide_examples() + config_examples() if e[1] == "shell"]
 
 
 def _id(example) -> str:
@@ -372,6 +385,16 @@ def gpu_group_commands(group: str) -> list[list[str]]:
     lines = [shlex.split(l)[3:] for l in body.group(1).splitlines() if l.strip().startswith("run ")]
     assert lines, f"bench/gpu.sh group {group!r} runs no benchmark"
     return lines
+
+
+def test_every_guide_has_commands_and_no_python_block():
+    """Each guide's commands are found (a layout change must not leave a guide unchecked), and a
+    guide holds no Python block, which only the README's API section runs."""
+    assert GUIDES, "docs/guides/ holds no guide"
+    for path in GUIDES:
+        kinds = [kind for _, kind, _ in markdown_examples(path)]
+        assert "shell" in kinds, f"{path.relative_to(REPO)} has no command in a ```bash block"
+        assert "python" not in kinds, f"{path.relative_to(REPO)} has a ```python block: make it a command"
 
 
 def test_every_config_docstring_example_was_found():

@@ -13,10 +13,16 @@ import pytest
 SHARED_DATA = Path(
     os.environ.get("ARLOPTI_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data")
 )
-requires_shared_data = pytest.mark.skipif(
+_skip_without_data = pytest.mark.skipif(
     not SHARED_DATA.is_dir(),
     reason=f"shared reference data folder {SHARED_DATA} is absent (set ARLOPTI_SHARED_DATA)",
 )
+
+
+def requires_shared_data(test):
+    """Skips the test when the shared data is absent; under CI=true that skip fails
+    (tests/conftest.py), as a real-model test's does."""
+    return pytest.mark.shared_data(_skip_without_data(test))
 
 
 def shared_files(pattern: str) -> list[Path]:

@@ -10,7 +10,7 @@ import pytest
 from arlopti_jax.tasks import math_reward, registry, score_batch
 from arlopti_jax.tasks.math_guard import MAX_CHARS, MAX_DEPTH, refusal
 from scoring_fuzz import EQUAL, MATH_TRUTHS, adversarial_set
-from task_fixtures import SHARED_DATA
+from task_fixtures import SHARED_DATA, requires_shared_data
 
 HAZARDS = {  # measured past 10 s, or refused for the reason given
     "9^{9^{9}}": "a power with more than",
@@ -58,7 +58,12 @@ def test_guard_refuses_the_measured_hazards_and_accepts_ordinary_answers():
     answers = [math_reward.last_boxed(math_reward.final_response(r)) for r in responses]
     reasons = [refusal(a) for a in answers if a]
     assert sum(r is None for r in reasons) > 200 and sum(r is not None for r in reasons) > 200
-    truths = public_truths()  # every ground truth of the public math sets, when present
+
+
+@requires_shared_data
+def test_guard_accepts_every_public_ground_truth():
+    truths = public_truths()  # every ground truth of the public math sets
+    assert len(truths) > 500, len(truths)
     assert not [t for t in truths if refusal(t)], [(t, refusal(t)) for t in truths if refusal(t)][:5]
 
 
