@@ -13,7 +13,6 @@ its body that many times; the decode loop's trip count is unknown, and its body 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from pathlib import Path
@@ -408,7 +407,3 @@ def read_dump(folder: Path, module: str) -> str | None:
     """The thunk sequence XLA:GPU dumped for ``module`` (its jit name) in ``folder``, if any."""
     found = sorted(Path(folder).glob(f"*jit_{module}*thunk_sequence_after_thunk_passes.txt"))
     return found[-1].read_text() if found else None
-
-
-def summary_json(value) -> str:
-    return json.dumps(value, indent=1, sort_keys=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import os
 import sys
 import textwrap
 from collections.abc import Callable

@@ -50,10 +50,6 @@ class Rollout:
         steps = [0] + [step for _, _, step in self.decode_loops]
         return sum(rows * slots * (steps[i + 1] - steps[i]) for i, (rows, slots, _) in enumerate(self.decode_loops))
 
-    @property
-    def num_responses(self) -> int:
-        return self.response_ids.shape[0]
-
     def responses(self) -> list[list[int]]:
         """Each response's token ids without padding (for decoding to text)."""
         return [row[: int(n)].tolist() for row, n in zip(self.response_ids, self.lengths)]

@@ -118,10 +118,6 @@ def initialize(config) -> bool:
     return jax.process_count() > 1
 
 
-def is_multiprocess() -> bool:
-    return jax.process_count() > 1
-
-
 def block(total: int, index: int | None = None, count: int | None = None) -> slice:
     """Process ``index``'s contiguous block of ``total`` items (sizes as ``np.array_split``)."""
     index = jax.process_index() if index is None else index
