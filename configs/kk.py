@@ -1,4 +1,4 @@
-"""The paper's Knights-and-Knaves runs (PAPER.md, "Reference K&K run").
+"""The paper's Knights-and-Knaves runs (docs/paper.md, "Reference K&K run").
 
     python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti \
         --config.model.path=/ckpt/Qwen2.5-3B-Instruct \

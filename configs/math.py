@@ -3,7 +3,7 @@
     python -m arlopti_jax.train --config=configs/math.py:grpo_ar_lopti \
         --config.model.path=/ckpt/Qwen2.5-Math-7B --config.data.train_files=data/math/deepscaler_uniform_train.parquet
 
-PAPER.md gives no math hyperparameters beyond the reward scheme; these follow the K&K
+docs/paper.md gives no math hyperparameters beyond the reward scheme; these follow the K&K
 reference (lr, clip, KL, batch) with a 3072-token response budget: this project's choice.
 """
 

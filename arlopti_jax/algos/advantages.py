@@ -11,7 +11,7 @@ Group statistics use a [B, B] equality matrix of ``group_ids`` (no assumption th
 group is contiguous or of size G). A row with no response token is batch padding: it is
 left out of every group statistic and of the REINFORCE++ whitening, and gets 0.
 
-Estimators (see PAPER.md, "Advantage estimators"):
+Estimators (see docs/paper.md, "Advantage estimators"):
   grpo                 A_i = (r_i - mean(r_g)) / (std(r_g) + eps), std unbiased (ddof=1);
                        a group of size 1 gets mean 0 and std 1 (so A_i = r_i / (1 + eps)).
   dr_grpo              A_i = r_i - mean(r_g), no std division (size-1 group: mean 0, as grpo);

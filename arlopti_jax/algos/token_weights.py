@@ -1,6 +1,6 @@
 """Advantage Reweighting (AR), TR-GRPO token weights and Lopti: the paper's method.
 
-Read next to PAPER.md. Notation: A_t is the (already normalised) token-level advantage of
+Read next to docs/paper.md. Notation: A_t is the (already normalised) token-level advantage of
 an advantage estimator, p_t = pi_old(o_t) = exp(old_logprob_t) the probability the sampling
 policy gave token o_t (at the sampling temperature). p_t is data, a constant: no gradient
 flows through it. All functions are pure array functions over [B, T] batches aligned with
@@ -77,7 +77,7 @@ class TokenWeightConfig:
     entropy_top_fraction: rho of the high-entropy selection (module docstring); 0 = every token.
 
     TR-GRPO: w = clip(tr_scale * (sigmoid(p / tr_tau) - tr_mu), tr_min, tr_max). The
-    paper's constants were not available (PAPER.md); these defaults are our choice:
+    paper's constants were not available (docs/paper.md, "TR-GRPO"); these defaults are our choice:
       * tr_mu = 0.5 = sigmoid(0): the unclipped weight is 0 at p = 0, and since sigmoid is
         increasing, w is increasing in p for any tau > 0.
       * tr_tau = 0.25: sigmoid(p / tau) saturates only as p -> 1 (sigmoid(4) = 0.982), so w

@@ -1,7 +1,7 @@
 """The one training configuration (ml_collections) and its validation.
 
 Every field has one meaning everywhere. ``base_config()`` holds the paper's reference
-settings (PAPER.md); experiment files in ``configs/`` start from it and change what
+settings (docs/paper.md); experiment files in ``configs/`` start from it and change what
 differs. ``validate`` runs at start-up and raises ``ConfigError`` naming the field.
 """
 

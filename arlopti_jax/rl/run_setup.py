@@ -1,6 +1,6 @@
 """From a validated config to everything a run is: ``assemble(config, mesh, model_cfg, ...)``.
 
-One assembly (DESIGN.md): ``assemble`` turns a config, a mesh and the model's shape into the
+One assembly (docs/design.md, "Principles"): ``assemble`` turns a config, a mesh and the model's shape into the
 run's optimizer, sampler, sampling settings, packed log-prob passes, train step and the
 abstract checkpointed state (shapes, dtypes and shardings; nothing allocated). ``train``,
 ``eval``, ``export`` and the compile-only check ``aot`` all build from it, so the programs

@@ -2,7 +2,7 @@
 
 The log-prob recorded for a sampled token is always taken from the FULL
 temperature-scaled distribution, ``log_softmax(logits / temperature)``, before any
-top-k / top-p truncation: that is ``pi_old`` in PAPER.md when sampler and trainer share
+top-k / top-p truncation: that is ``pi_old`` in docs/paper.md when sampler and trainer share
 weights, and it is what ``arlopti_jax.models.token_logprobs(..., temperature=T)``
 recomputes. Greedy decoding records the same quantity at the configured temperature
 (the default 1.0 gives the model's plain log-probs).

@@ -7,7 +7,7 @@ process count and process id from ``config.distributed.*``, else from SLURM's va
 every process's devices and a jitted program runs on all of them (each process launching
 it on its own).
 
-How a training step splits (DESIGN.md's step, per process):
+How a training step splits (docs/design.md, "One training step, as data", per process):
 - the data iterator is deterministic and the same everywhere; process p takes block p of
   each global batch of prompts (``block``), so a prompt's whole group of responses stays on
   one process (GRPO statistics need the group);

@@ -1,4 +1,4 @@
-"""K&K reward: the Logic-RL scheme used by the reference (PAPER.md, "K&K reward").
+"""K&K reward: the Logic-RL scheme used by the reference (docs/paper.md, "K&K reward").
 
     format  : '<think>', '</think>', '<answer>', '</answer>' each exactly once, in that
               order, counting the prompt's opening '<think>'       -> +1, else -1
