@@ -49,12 +49,14 @@ def main(argv) -> int:
             logging.getLogger().setLevel(logging.WARNING)
         validate(config, jax.device_count())
         dist.validate(config, run_setup.make_mesh(config))
-        run_setup.resolve_paths(config)  # a missing model or data path stops here, in one line
+        # a missing path, a resume setting run_dir contradicts, unreadable data or a training set that
+        # cannot fill one batch stops here, in one line
+        inputs = run_setup.prepare_inputs(config)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     startup_done(COMMAND.name)
-    train(config)
+    train(config, inputs)
     return 0
 
 

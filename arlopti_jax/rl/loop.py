@@ -68,18 +68,17 @@ def quartile_metrics(batch, advantages) -> dict[str, float]:
     return out
 
 
-def train(config) -> dict:
-    """Run training per ``config``; returns the final summary (also printed)."""
+def train(config, inputs: run_setup.Inputs | None = None) -> dict:
+    """Run training per ``config``; returns the final summary (also printed). ``inputs``: the
+    run's ``run_setup.prepare_inputs(config)``, when start-up has made them already."""
     started = time.time()
     run_dir = Path(config.run_dir)
     mesh = run_setup.make_mesh(config)
-    model_path, train_files, test_files = run_setup.resolve_paths(config)
-    policy = run_setup.load_policy(config, mesh, model_path)
+    inputs = run_setup.prepare_inputs(config) if inputs is None else inputs
+    model_path, iterator, test_sets = inputs.model_path, inputs.iterator, inputs.test_sets
+    policy = run_setup.load_policy(config, mesh, model_path, inputs.tokenizer)
     model_cfg, tokenizer = policy.model_cfg, policy.tokenizer
 
-    train_data = run_setup.prompt_dataset(config, train_files, tokenizer)
-    iterator = run_setup.train_iterator(config, train_data)
-    test_sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], tokenizer) for f in test_files}
     steps = run_setup.total_steps(config, iterator)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=run_setup.eos_ids(policy),
                              pad_id=run_setup.pad_id(policy), total_steps=steps)

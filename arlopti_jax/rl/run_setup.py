@@ -82,10 +82,15 @@ def model_config(config, model_path: Path) -> ModelConfig:
                                        unroll_layers=m.unroll_layers, attention=m.get("attention", "auto"))
 
 
-def load_policy(config, mesh, model_path: Path) -> Policy:
+def load_tokenizer(model_path: Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def load_policy(config, mesh, model_path: Path, tokenizer=None) -> Policy:
+    """The model's weights on ``mesh`` with its tokenizer (``tokenizer``, when already loaded)."""
+    tokenizer = load_tokenizer(model_path) if tokenizer is None else tokenizer
     model_cfg = model_config(config, model_path)
     return Policy(model_cfg, load_params(model_path, model_cfg, mesh), tokenizer, model_path)
 
@@ -147,6 +152,43 @@ def prompt_dataset(config, files, tokenizer) -> PromptDataset:
 
 def train_iterator(config, dataset) -> BatchIterator:
     return BatchIterator(dataset, config.train.batch_prompts, seed=config.data.shuffle_seed, drop_last=True)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What a run reads besides the weights (``prepare_inputs``), checked before any work."""
+
+    model_path: Path
+    tokenizer: object
+    iterator: BatchIterator
+    test_sets: dict[str, PromptDataset]
+
+
+def prepare_inputs(config) -> Inputs:
+    """The run's paths, tokenizer and prompt datasets, with ``config.resume`` checked against
+    ``run_dir`` (``check_resume``): a command's start-up calls this, so a missing path, a bad
+    resume setting, a data file that cannot be read or a training set that cannot fill one batch
+    of ``train.batch_prompts`` prompts stops it in one line (FileNotFoundError or ValueError naming
+    the field), before the weights are loaded."""
+    model_path, train_files, test_files = resolve_paths(config)
+    check_resume(config)
+    tokenizer = load_tokenizer(model_path)
+
+    def dataset(field, files):
+        try:
+            return prompt_dataset(config, files, tokenizer)
+        except ValueError as err:
+            raise ValueError(f"config.data.{field}: {err}") from None
+
+    train_data = dataset("train_files", train_files)
+    try:
+        iterator = train_iterator(config, train_data)
+    except ValueError as err:
+        raise ValueError(f"config.train.batch_prompts={config.train.batch_prompts}: the training prompts of "
+                         f"config.data.train_files ({', '.join(map(str, train_files))}, after "
+                         f"data.max_prompt_length={config.data.max_prompt_length}): {err}") from None
+    test_sets = {eval_set_name(f): dataset("test_files", [f]) for f in test_files}
+    return Inputs(model_path, tokenizer, iterator, test_sets)
 
 
 def total_steps(config, iterator: BatchIterator) -> int:
@@ -263,18 +305,36 @@ def checkpointer(config) -> Checkpointer:
     return Checkpointer(Path(config.run_dir) / "checkpoints", max_to_keep=config.train.keep_checkpoints)
 
 
+def check_resume(config, ckpt: Checkpointer | None = None) -> None:
+    """ValueError (one line, naming config.resume) where ``config.resume`` cannot be followed:
+    ``none`` over a run folder that holds checkpoints (``ckpt``'s, or ``run_dir/checkpoints``,
+    read without creating it), or a path that is not a checkpoint step folder."""
+    if config.resume == "none":
+        if ckpt is None:
+            if not (Path(config.run_dir) / "checkpoints").is_dir():
+                return
+            ckpt = checkpointer(config)
+            steps, directory = ckpt.steps(), ckpt.directory
+            ckpt.close()
+        else:
+            steps, directory = ckpt.steps(), ckpt.directory
+        if steps:
+            raise ValueError(f"config.resume='none' but {directory} already holds checkpoints "
+                             f"{steps}: use resume=auto or another run_dir")
+    elif config.resume != "auto":
+        folder = Path(config.resume)
+        if not folder.is_dir() or not folder.name.isdigit():
+            raise ValueError(f"config.resume={config.resume!r}: not a checkpoint step folder (…/checkpoints/<step>)")
+
+
 def restore_from(config, ckpt: Checkpointer, target):
     """``(step, state, meta)`` per ``config.resume``, or None for a fresh start."""
+    check_resume(config, ckpt)
     if config.resume == "none":
-        if ckpt.steps():
-            raise ValueError(f"config.resume='none' but {ckpt.directory} already holds checkpoints "
-                             f"{ckpt.steps()}: use resume=auto or another run_dir")
         return None
     if config.resume == "auto":
         return ckpt.restore_latest(target)
     folder = Path(config.resume)
-    if not folder.is_dir() or not folder.name.isdigit():
-        raise ValueError(f"config.resume={config.resume!r}: not a checkpoint step folder (…/checkpoints/<step>)")
     other = Checkpointer(folder.parent, max_to_keep=10**6)
     state, meta = other.restore(int(folder.name), target)
     other.close()
