@@ -75,7 +75,7 @@ def main(argv) -> int:
 
     from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import load_pretrained, save_pretrained
-    from arlopti_jax.finetune.supervised import read_pairs, run_sft
+    from arlopti_jax.finetune.supervised import batch_schedule, read_pairs, tokenize_pairs, train_sft
     from arlopti_jax.tasks.data import resolve_data_files
 
     cfg = flags.FLAGS.config
@@ -94,23 +94,29 @@ def main(argv) -> int:
         print(f"error: config.model.path={cfg.model.path}: not a Hugging Face model folder (no config.json)",
               file=sys.stderr)
         return 2
+    from transformers import AutoTokenizer
+
+    # the data is read, tokenized and scheduled at start-up: a missing file or column, a prompt that
+    # cannot be rendered or too few rows for one batch stops here, in one line
     try:
-        resolve_data_files(cfg.data.files.split(","))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        data = tokenize_pairs(read_pairs(resolve_data_files(cfg.data.files.split(","))), tokenizer,
+                              cfg.data.max_length)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: config.data.files: {err}", file=sys.stderr)
         return 2
+    try:
+        schedule = batch_schedule(data["attention_mask"].sum(1), cfg.train.batch, cfg.train.steps, cfg.seed)
+    except ValueError as err:
+        print(f"error: config.train.batch={cfg.train.batch}: config.data.files ({cfg.data.files}): {err}",
+              file=sys.stderr)
+        return 2
     startup_done(COMMAND.name)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     mesh = shd.make_mesh({"fsdp": -1})
     model_cfg, params = load_pretrained(cfg.model.path, mesh=mesh, dtype=cfg.model.dtype,
                                         param_dtype=cfg.model.param_dtype, remat=cfg.model.remat)
-    rows = read_pairs(cfg.data.files.split(","))
-    params, losses = run_sft(model_cfg, params, tokenizer, rows, steps=cfg.train.steps, batch=cfg.train.batch,
-                             lr=cfg.train.lr, warmup=cfg.train.warmup, weight_decay=cfg.train.weight_decay,
-                             grad_clip=cfg.train.grad_clip, max_length=cfg.data.max_length, seed=cfg.seed,
-                             mesh=mesh)
+    params, losses = train_sft(model_cfg, params, data, schedule, lr=cfg.train.lr, warmup=cfg.train.warmup,
+                               weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip, mesh=mesh)
     save_pretrained(model_cfg, params, out, tokenizer_dir=cfg.model.path)
     print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; wrote {out}")
     return 0

@@ -115,10 +115,18 @@ def run_sft(model_cfg: ModelConfig, params, tokenizer, rows: list[dict], *, step
             max_length: int = 1024, seed: int = 0, mesh=None, desc: str = "sft") -> tuple[dict, list[float]]:
     """Train ``params`` on ``rows`` in length-grouped batches (``batch_schedule``), each trimmed
     to its longest row rounded up to 16 tokens; returns the new params and the loss per step."""
-    mesh = mesh if mesh is not None else shd.make_mesh({"fsdp": -1})
     data = tokenize_pairs(rows, tokenizer, max_length)
-    lengths = data["attention_mask"].sum(1)
-    schedule = batch_schedule(lengths, batch, steps, seed)
+    schedule = batch_schedule(data["attention_mask"].sum(1), batch, steps, seed)
+    return train_sft(model_cfg, params, data, schedule, lr=lr, warmup=warmup, weight_decay=weight_decay,
+                     grad_clip=grad_clip, mesh=mesh, desc=desc)
+
+
+def train_sft(model_cfg: ModelConfig, params, data: dict[str, np.ndarray], schedule: list[np.ndarray], *,
+              lr: float, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0, mesh=None,
+              desc: str = "sft") -> tuple[dict, list[float]]:
+    """``run_sft`` on rows already tokenized (``tokenize_pairs``) and scheduled (``batch_schedule``)."""
+    mesh = mesh if mesh is not None else shd.make_mesh({"fsdp": -1})
+    steps, lengths = len(schedule), data["attention_mask"].sum(1)
     optimizer = make_optimizer(lr, steps, warmup, weight_decay, grad_clip)
     with shd.activate(mesh):
         opt_state = jax.jit(optimizer.init)(params)

@@ -1,9 +1,17 @@
 """The SFT warm start's batching: length-grouped batches that still see every row once per epoch,
 and trimming a right-padded batch to its longest row, which must not change the loss."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
+import pytest
 
+from arlopti_jax.config.cli import STARTUP_CHECK_ENV
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import ModelConfig, init_params
 from arlopti_jax.finetune.supervised import batch_schedule, make_optimizer, make_sft_step
@@ -57,3 +65,29 @@ def test_trimmed_batch_has_the_loss_of_the_full_padded_batch():
             losses.append(float(loss))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     assert 3.0 < losses[0] < 6.0  # about log(128) = 4.85 for a random model: the loss is the masked mean
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["run", "startup_check"])
+def test_sft_data_errors_stop_at_start_up_in_one_line(start_point, tmp_path, check):
+    """A data file without a ``response`` column, and fewer rows than one batch, stop
+    ``python -m arlopti_jax.sft`` with one ``error:`` line naming the field (exit 2, no traceback),
+    under ARLOPTI_STARTUP_CHECK=1 too, before the model is loaded."""
+    def error_line(files: Path, *extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "arlopti_jax.sft", f"--config.model.path={start_point / 'model'}",
+                               f"--config.data.files={files}", f"--config.out_dir={tmp_path / 'out'}", *extra],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, STARTUP_CHECK_ENV: "1" if check else "0"})
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "start-up check passed" not in proc.stdout and not (tmp_path / "out").exists()
+        return errors[0]
+
+    no_response = tmp_path / "no_response.jsonl"
+    no_response.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "a"}) + "\n" for i in range(20)))
+    line = error_line(no_response)
+    assert line.startswith("error: config.data.files:") and str(no_response) in line and "'response'" in line
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"prompt": f"q{i}", "response": "a"}) + "\n" for i in range(3)))
+    line = error_line(few, "--config.train.batch=16")
+    assert line.startswith("error: config.train.batch=16:") and str(few) in line and "got 3" in line
