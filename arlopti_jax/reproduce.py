@@ -121,9 +121,10 @@ def report_only(args, argv: list[str]) -> int:
 
 
 def startup_problem(args) -> str | None:
-    """What would stop the sweep, found at start-up (one line), or None: the seeds and counts, every
-    variant's run config (validated as the trainer will), and a pretrained scale's GGUF file
-    (located, fetched if need be, and its metadata read) unless its start point is already built."""
+    """What would stop the sweep, found at start-up (one line), or None: the seeds and counts, the
+    learning rates of --matched (--lr, --lr-grid, --grid-seeds), every variant's run config
+    (validated as the trainer will), and a pretrained scale's GGUF file (located, fetched if need
+    be, and its metadata read) unless its start point is already built."""
     from arlopti_jax.config import ConfigError, validate
     from arlopti_jax.experiments.sweep import PRETRAINED, run_config
     from arlopti_jax.embedded.start_point import SCALE_FILE
@@ -138,6 +139,11 @@ def startup_problem(args) -> str | None:
                         ("--diagnostics-every", args.diagnostics_every)):
         if value < 0:
             return f"{flag} {value}: must be >= 0"
+    if args.matched:
+        try:
+            matched.parse_rates(args)
+        except ValueError as err:
+            return str(err)
     base = base_config(args.scale)
     out = Path(args.out)
     for variant in args.variants.split(","):

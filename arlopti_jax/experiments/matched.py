@@ -58,19 +58,35 @@ def parse_name(variant: str) -> tuple[str, float | None]:
 
 
 def parse_lrs(text: str) -> dict[str, float]:
-    """``METHOD=RATE,...`` -> {method: rate}; one line naming what is wrong otherwise."""
+    """``METHOD=RATE,...`` -> {method: rate}; ValueError, one line naming what is wrong, otherwise."""
     out = {}
     for item in filter(None, text.split(",")):
         method, _, value = item.partition("=")
         if method not in MATCHED_METHODS:
-            raise SystemExit(f"error: --lr {item}: {method!r} is not one of {list(MATCHED_METHODS)}")
+            raise ValueError(f"--lr {item}: {method!r} is not one of {list(MATCHED_METHODS)}")
         try:
             out[method] = float(value)
         except ValueError:
-            raise SystemExit(f"error: --lr {item}: expected METHOD=RATE, e.g. grpo=3e-6") from None
+            raise ValueError(f"--lr {item}: expected METHOD=RATE, e.g. grpo=3e-6") from None
         if not out[method] > 0:
-            raise SystemExit(f"error: --lr {item}: the rate must be > 0")
+            raise ValueError(f"--lr {item}: the rate must be > 0")
     return out
+
+
+def parse_rates(args) -> tuple[dict[str, float], list[float], list[int]]:
+    """(--lr's fixed rates, --lr-grid's rates in order, --grid-seeds) of reproduce's parsed flags;
+    ValueError, one line naming the flag, where one does not fit (``reproduce`` calls this at
+    start-up)."""
+    fixed = parse_lrs(args.lr or "")
+    try:
+        grid_lrs = sorted({float(x) for x in args.lr_grid.split(",")})
+        grid_seeds = [int(s) for s in args.grid_seeds.split(",")]
+    except ValueError:
+        raise ValueError(f"--lr-grid {args.lr_grid} / --grid-seeds {args.grid_seeds}: expected "
+                         "comma-separated numbers") from None
+    if (len(grid_lrs) < 3 or min(grid_lrs) <= 0) and any(m not in fixed for m in args.variants.split(",")):
+        raise ValueError(f"--lr-grid {args.lr_grid}: give at least 3 distinct rates, each > 0")
+    return fixed, grid_lrs, grid_seeds
 
 
 def split_train(start_point: Path, folder: Path, val_prompts: int) -> tuple[Path, Path]:
@@ -211,15 +227,7 @@ def run(args, sizes: dict | None) -> int:
     (variants, seeds, steps and eval prompts filled in)."""
     out = Path(args.out)
     methods = args.variants.split(",")
-    fixed = parse_lrs(args.lr or "")
-    try:
-        grid_lrs = sorted({float(x) for x in args.lr_grid.split(",")})
-        grid_seeds = [int(s) for s in args.grid_seeds.split(",")]
-    except ValueError:
-        raise SystemExit(f"error: --lr-grid {args.lr_grid} / --grid-seeds {args.grid_seeds}: expected "
-                         "comma-separated numbers") from None
-    if (len(grid_lrs) < 3 or min(grid_lrs) <= 0) and any(m not in fixed for m in methods):
-        raise SystemExit(f"error: --lr-grid {args.lr_grid}: give at least 3 distinct rates, each > 0")
+    fixed, grid_lrs, grid_seeds = parse_rates(args)  # checked at start-up
     base = base_config(args.scale)
     steps = matched_optimizer_steps(base, args.scale)
     common = dict(sizes=sizes, scale=args.scale, worker=args.worker, start_point_dir=out / "start_point",

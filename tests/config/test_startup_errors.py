@@ -101,3 +101,22 @@ def test_an_error_inside_the_start_point_build_keeps_its_traceback(tmp_path, mon
     config.data.train_files = str(tmp_path / "train.parquet")
     with pytest.raises(FileNotFoundError, match="absent"):
         run_setup.resolve_paths(config)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "bogus=1"], "--lr bogus=1: 'bogus' is not one of"),
+    (["--lr", "grpo=fast"], "--lr grpo=fast: expected METHOD=RATE"),
+    (["--lr", "grpo=0"], "--lr grpo=0: the rate must be > 0"),
+    (["--lr-grid", "1e-6,x"], "--lr-grid 1e-6,x / --grid-seeds 100,101: expected comma-separated numbers"),
+    (["--grid-seeds", "a"], "--grid-seeds a: expected comma-separated numbers"),
+    (["--lr-grid", "1e-6,1e-5"], "--lr-grid 1e-6,1e-5: give at least 3 distinct rates"),
+])
+def test_reproduce_matched_checks_its_learning_rates_at_start_up(args, message, tmp_path):
+    """--matched's --lr, --lr-grid and --grid-seeds are parsed before the start-up check: one error: line,
+    exit 2, under ARLOPTI_STARTUP_CHECK=1 (where a bad one used to pass the check) and without it."""
+    for check in ("1", "0"):
+        proc = subprocess.run([sys.executable, "-m", "arlopti_jax.reproduce", "--matched", "--out", str(tmp_path),
+                               *args], capture_output=True, text=True, env={**os.environ, STARTUP_CHECK_ENV: check},
+                              timeout=600)
+        assert proc.returncode == 2 and message in _one_error_line(proc.stderr), (check, proc.stderr[-2000:])
+        assert not (tmp_path / "start_point").exists()

@@ -113,7 +113,7 @@ def test_the_choice_is_the_best_mean_validation_sampled_accuracy():
     assert matched.parse_lrs("grpo=3e-6,gspo=1e-5") == {"grpo": 3e-6, "gspo": 1e-5}
     for bad, message in (("ppo=1e-6", "'ppo' is not one of"), ("grpo=fast", "expected METHOD=RATE"),
                          ("grpo=0", "must be > 0")):
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ValueError, match=message):
             matched.parse_lrs(bad)
 
 
