@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The paper's configs compiled for the pods and nodes they are meant for (issue 32's targets), with
 # python -m arlopti_jax.aot: one JSON record and one log per (config, target) in $OUT (default
-# docs/aot). Compiler figures for the targets, not runs. Records already in $OUT are kept (delete one
+# docs/measurements/aot). Compiler figures for the targets, not runs. Records already in $OUT are kept (delete one
 # to redo it).
 #
 #   bash bench/aot_configs.sh            # all of them (about an hour on 2 cores)
 #   ONLY="kk3b_v5p-8 math_v5p-8" bash bench/aot_configs.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT="${OUT:-docs/aot}"
+OUT="${OUT:-docs/measurements/aot}"
 PY="${PYTHON:-.venv/bin/python}"
 mkdir -p "$OUT"
 

@@ -96,14 +96,10 @@ def main(argv=None) -> int:
 def model_check() -> None:
     """The packed forward and backward of a 2-layer Qwen2.5-1.5B-shaped model, bfloat16 compute:
     model.attention 'cudnn' against 'xla' (loss and every gradient, relative difference)."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
     from arlopti_jax.models.policy import packed_hidden_states
-    from shapes import model_config
+    from arlopti_jax.runtime import sharding as shd
+    from common import model_config
 
     base = model_config("1.5b", dtype="bfloat16", param_dtype="float32", layers=2, vocab=4096)
     mesh = shd.make_mesh({"fsdp": -1})

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/benchmarks.md, in the groups one lease runs per command.
+# The GPU measurements of docs/measurements/journal.md, in the groups one lease runs per command.
 #
 #   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
 #   bash bench/gpu.sh calibrate   # issue 32: decode ms per step and train MFU at the compiled shapes, to set
-#                                 # beside the compile-only figures of docs/benchmarks.md (same card, same shapes)
+#                                 # beside the compile-only figures of docs/measurements/journal.md (same card, same shapes)
 #   bash bench/gpu.sh shared      # issue 29: the shared-prefix exactness tests on the GPU (float32, highest
 #                                 # precision; single-device layouts) and the realistic step shared vs unshared
 #                                 # (0.5B, the K&K prompt lengths: 235-344 tokens)
 #   bash bench/gpu.sh decode      # sampler compile time; train-step MFU; cuDNN probe
-#   bash bench/gpu.sh rlstep      # sampler vs teacher-forced log-prob gap; the realistic RL step by phase
+#   bash bench/gpu.sh rlstep      # decode loop; sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
-#   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/reproduction.md), 5 runs at once
-#   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/real_model.md): RL at GPU scale, then its sweep;
+#   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/results/reproduction.md), 5 runs at once
+#   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/results/real_model.md): RL at GPU scale, then its sweep;
 #                                 # neither fits one 10-minute call: each call runs about 9 minutes of what is
 #                                 # left (SIGTERM at the limit saves a checkpoint; runs live in $RUNS, default
 #                                 # runs/gpu, which must survive between calls); call it until it prints "real: done"
@@ -20,7 +20,7 @@
 # ONLY="name ..." runs just the named benchmarks of a group; each runs under its own time limit so that one slow benchmark cannot take the others with it.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-LOGS="$(realpath -m "${OUT:-gpu_logs}")"  # absolute: some benchmarks run from bench/
+LOGS="$(realpath -m "${OUT:-gpu_logs}")"
 mkdir -p "$LOGS"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
@@ -74,12 +74,12 @@ case "${1:-}" in
     run calibrate_decode 200 bench/roofline.py decode --targets local --run --rows 64,256 --slots 1536,4608
     # train: one 4544-token micro-batch's forward and backward of 4 layers of the 3B widths (the v5e figures' shape)
     run calibrate_train_3b 100 bench/roofline.py train --target local --shape 3b --layers 4 --run
-    # the whole 1.5B train step at the paper's sequence length (MFU as docs/benchmarks.md counts it)
+    # the whole 1.5B train step at the paper's sequence length (MFU as docs/measurements/journal.md counts it)
     run calibrate_train 130 bench/train_step.py --shape 1.5b --batch 16 --seq 4608 --micro 1 --steps 3 \
       --dtype bfloat16 --remat --skip-rollout-batch
     # the decode loop end to end (the figure the 2026-11-23 and 2026-11-26 leases compare)
-    (cd bench && run rollout_1.5b 170 rollout.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 --skip-hf \
-      --rounds 3 --dense)
+    run rollout_1.5b 170 bench/rollout.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 --skip-hf \
+      --rounds 3 --dense
     ;;
   shared)
     setup

@@ -18,7 +18,7 @@ the policy has moved. This script measures that, on the paper's settings (rollou
               pi_old from the sampler (recompute off) and from the teacher-forced pass (recompute
               on): ratio_mean, ratio_max and the clipped share (clipfrac_low + clipfrac_high).
 
-The policy is random (``bench/shapes.py``), with float32 master weights and the ``--dtype``
+The policy is random (``common.SHAPES``), with float32 master weights and the ``--dtype``
 compute. A random model of this width is near-uniform over its 151,936 tokens (about 11.9 nats
 of entropy per token), unlike a trained one; ``--logit-scale`` multiplies the tied embedding
 (so the logits, as the residual stream is dominated by it) to give sharper distributions: the
@@ -34,18 +34,16 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from arlopti_jax import algos  # noqa: E402
-from arlopti_jax.runtime import sharding as shd  # noqa: E402
 from arlopti_jax.models import init_params  # noqa: E402
 from arlopti_jax.rollout import Sampler, SamplingConfig  # noqa: E402
-from shapes import add_shape_flags, dims, model_config  # noqa: E402
+from arlopti_jax.runtime import sharding as shd  # noqa: E402
+from common import add_shape_flags, model_config, shape_dims  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -81,8 +79,7 @@ def gap_stats(tf: np.ndarray, sampled: np.ndarray, mask: np.ndarray, clip_low: f
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    d = dims(args.shape, **{k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads",
-                                                            "vocab")})
+    d = shape_dims(args)
     if not d["tied"]:
         raise SystemExit(f"--shape {args.shape} has untied embeddings: --logit-scale scales the tied one only")
     if args.batch % args.group or args.mini_batch % args.group or args.batch < args.mini_batch:

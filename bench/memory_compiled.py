@@ -1,4 +1,4 @@
-"""docs/memory.md's layouts compiled: the compiler's per-device peak beside bench/memory_plan.py's estimate.
+"""docs/reference/memory.md's layouts compiled: the compiler's per-device peak beside memory_plan.py's estimate.
 
     python bench/memory_compiled.py                          # every row (resumes: rows in --json are kept)
     python bench/memory_compiled.py --model 7b --hardware v5p-8
@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGETS = {"8xH100-80GB": "h100x8", "v5p-8": "v5p-8", "v5e-16": "v5e-16"}
 ROWS = [(model, hw, layout, "float32") for model in ("3b", "7b") for hw, spec in
@@ -39,7 +37,7 @@ def row_config(model: str, layout: str, param_dtype: str):
 
     from arlopti_jax.config import apply_layout, load_config_file
 
-    config = load_config_file(Path(__file__).resolve().parents[1] / "configs" / "kk.py", f"{model},grpo_ar_lopti")
+    config = load_config_file(ROOT / "configs" / "kk.py", f"{model},grpo_ar_lopti")
     config = apply_layout(config, **parse_layout(layout), param_dtype=param_dtype)
     config.rollout.min_rows = 1 << 20  # no compaction: every response to the longest length
     return config
@@ -47,8 +45,8 @@ def row_config(model: str, layout: str, param_dtype: str):
 
 def estimate(model: str, hw: str, layout: str, param_dtype: str) -> float:
     """memory_plan's step peak with remat, bytes per device."""
+    from common import model_config
     from memory_plan import parse_layout, plan
-    from shapes import model_config
 
     p = plan(model_config(model), parse_layout(layout), param_dtype=param_dtype)
     return max(p["rollout_peak"], p["update_peak_remat"])
@@ -113,7 +111,8 @@ def table(path: Path) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default="docs/aot/memory.json", help="records (read to resume, written per row)")
+    ap.add_argument("--json", default=str(ROOT / "docs" / "measurements" / "aot" / "memory.json"),
+                    help="records (read to resume, written per row)")
     ap.add_argument("--model", choices=("3b", "7b"))
     ap.add_argument("--hardware", choices=sorted(TARGETS))
     ap.add_argument("--table", action="store_true", help="print the markdown table of --json and exit")

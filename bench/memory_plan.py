@@ -1,6 +1,6 @@
 """Per-device memory of one RL step (rollout, then the update) for a model shape on a mesh layout.
 
-    python bench/memory_plan.py                                  # the docs/memory.md tables
+    python bench/memory_plan.py                                  # the docs/reference/memory.md tables
     python bench/memory_plan.py --model 7b --hardware v5e-16 --param-dtype bfloat16
     python bench/memory_plan.py --model 3b --layout fsdp=4,tensor=2 --devices 8 --hbm-gib 80
 
@@ -35,10 +35,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GIB = 2 ** 30
 BYTES = {"float32": 4, "bfloat16": 2}
@@ -126,7 +122,7 @@ def plan(cfg, sizes: dict[str, int], *, batch_prompts=64, n=8, prompt_len=448, r
 
 
 def table(models, hardware, **kw) -> str:
-    from shapes import model_config
+    from common import model_config
 
     cols = ("params", "reference", "adamw", "grads", "kv_cache", "act_remat", "act_full", "rollout_peak",
             "update_peak_remat", "update_peak_full")

@@ -19,13 +19,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
 
 def dense_masks(prompt_lengths, response_lengths, prompt_width: int, response_width: int):
@@ -64,7 +59,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import realistic
-    from shapes import model_config
+    from common import model_config
 
     from arlopti_jax.embedded.start_point import tiny_model_config
 
@@ -74,7 +69,7 @@ def main(argv=None) -> int:
     prompts, lengths = realistic.workload(r)
     attention, response = dense_masks(np.repeat([len(p) for p in prompts], r.n), lengths, r.prompt_len, r.gen_len)
     simulate("realistic", attention, response, r.mini_batch, -(-r.micro * (r.prompt_len + r.gen_len) // 64) * 64,
-             model_config(realistic.DIMS).attention_cost_per_key(), args.shuffles)
+             model_config(realistic.model_dims(r)).attention_cost_per_key(), args.shuffles)
     rng = np.random.default_rng(1)
     attention, response = dense_masks(np.repeat(rng.integers(105, 148, 8), 8), rng.integers(8, 49, 64), 256, 48)
     simulate("default", attention, response, 32, 9728, tiny_model_config(1024).attention_cost_per_key(),

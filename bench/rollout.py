@@ -28,35 +28,30 @@ documented buckets (cache phases x rows-per-device buckets).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory for torch
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from arlopti_jax.runtime import sharding as shd  # noqa: E402
+import common  # noqa: E402
 from arlopti_jax.models import load_pretrained  # noqa: E402
 from arlopti_jax.rollout import Sampler, SamplingConfig  # noqa: E402
-from shapes import SHAPES, hf_model  # noqa: E402  (Qwen2.5-0.5B ... 7B dimensions)
+from arlopti_jax.runtime import sharding as shd  # noqa: E402
+from common import interleaved, timed  # noqa: E402
 
-EOS = 2  # the random model's EOS id (shapes.hf_model)
+EOS = 2  # the random model's EOS id (common.hf_model)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="preset dimensions")
-    for name in ("hidden", "layers", "heads", "kv-heads", "vocab", "intermediate"):
-        p.add_argument(f"--{name}", type=int, help="override the preset")
+    common.add_shape_flags(p)
     p.add_argument("--batch", type=int, default=32, help="generated sequences per call")
     p.add_argument("--group", type=int, default=1, help="samples per prompt (batch / group prompts)")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -73,20 +68,19 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="auto: float32 on CPU, bfloat16 on accelerators")
     p.add_argument("--greedy", action="store_true", help="argmax decoding on both sides")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up call per side)")
+    p.add_argument("--rounds", "--iters", type=int, default=3,
+                   help="timed rounds (after one warm-up call per side); --iters: its older name")
     p.add_argument("--peak-bw", type=float, help="peak memory bandwidth in GB/s (default: table by device)")
     p.add_argument("--skip-hf", action="store_true", help="fixed lengths: time ours only")
     p.add_argument("--hf-device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    dims = dict(SHAPES[args.shape])
-    for name in ("hidden", "layers", "heads", "kv_heads", "vocab", "intermediate"):
-        if getattr(args, name) is not None:
-            dims[name] = getattr(args, name)
     if args.batch % args.group:
         p.error(f"--batch={args.batch} must be a multiple of --group={args.group}")
-    if dims["heads"] % dims["kv_heads"] or dims["hidden"] % dims["heads"]:
-        p.error("--heads must divide --hidden and be a multiple of --kv-heads")
+    try:
+        dims = common.shape_dims(args)
+    except ValueError as err:
+        p.error(str(err))
     on_cpu = jax.default_backend() == "cpu"
     args.dtype = ("float32" if on_cpu else "bfloat16") if args.dtype == "auto" else args.dtype
     args.median_len = args.median_len or max(1, args.gen_len // 4)
@@ -101,17 +95,6 @@ def response_lengths(rng: np.random.Generator, rows: int, max_len: int, median: 
     lengths = np.clip(np.rint(rng.lognormal(np.log(median), sigma, rows)), 1, max_len).astype(np.int32)
     lengths[rng.random(rows) < at_max] = max_len + 1
     return lengths
-
-
-class CompileCounter(logging.Handler):
-    """Counts XLA compilations (``jax_log_compiles`` messages)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def emit(self, record):
-        self.count += record.getMessage().startswith("Finished XLA compilation")
 
 
 class Ours:
@@ -183,34 +166,12 @@ def peak_bandwidth(device, flag_gbs):
     return hbm_bandwidth(getattr(device, "device_kind", ""))
 
 
-def timed(fn, *args, **kw) -> tuple[float, object]:
-    start = time.perf_counter()
-    out = fn(*args, **kw)
-    return time.perf_counter() - start, out
-
-
-def interleaved(sides: dict, rounds: int, tokens) -> dict[str, list[float]]:
-    """Run each side once per round, in turn; print each round. ``tokens(out)``: tokens made."""
-    times = {name: [] for name in sides}
-    for r in range(rounds):
-        line = []
-        for name, fn in sides.items():
-            t, out = timed(fn)
-            times[name].append(t)
-            line.append(f"{name} {t:.3f}s ({tokens(out) / t:,.0f} tok/s)")
-        print(f"round {r + 1}: " + ", ".join(line), flush=True)
-    return times
-
-
 def main(argv=None):
     args, dims = parse_args(argv)
-    jax.config.update("jax_log_compiles", True)
-    compiles = CompileCounter()
-    logging.getLogger("jax").addHandler(compiles)
-    logging.getLogger("jax").propagate = False  # count, do not print
+    compiles = common.count_compiles()
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(3, dims["vocab"], size=(args.batch // args.group, args.prompt_len)).tolist()
-    model = hf_model(dims, args.dtype, args.seed)
+    model = common.hf_model(dims, args.dtype, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         ours = Ours(Path(tmp), args)

@@ -13,17 +13,13 @@ prints steps/s per round and the ratio. Both see the same batches in the same or
 The start point keeps the loop although the unrolled step is faster (1.16x on 2 cores,
 2026-11-25): unrolling changes the float rounding of 600 SFT steps, and from the start point
 built that way the reduced default of ``tests/rl/test_learning.py`` ended below its bar
-(docs/benchmarks.md).
+(docs/measurements/journal.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

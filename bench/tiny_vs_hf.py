@@ -26,30 +26,19 @@ script prints transformers' step over it, the most ours / transformers could rea
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DIMS = dict(hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=2, vocab=4096, tied=True)
+import common  # noqa: E402
+
+DIMS = common.SHAPES["bench"]
 ROWS, PROMPT, RESPONSE, MICRO = 32, 64, 128, 8
-
-
-class CompileLog(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def emit(self, record):
-        self.count += record.getMessage().startswith("Finished XLA compilation")
 
 
 def train_workload(seed: int = 0):
@@ -108,10 +97,8 @@ class Transformers:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.01)
 
     def train(self, batch):
-        from train_step import torch_batch, torch_minibatch_step
-
         self.model.train()
-        torch_minibatch_step(self.model, self.opt, torch_batch(batch), ROWS // MICRO)
+        common.torch_minibatch_step(self.model, self.opt, common.torch_batch(batch), ROWS // MICRO)
 
     def rollout(self, prompts):
         import torch
@@ -188,9 +175,7 @@ class GemmFloor:
 
 
 def timed(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
+    return common.timed(fn, *args)[0]
 
 
 def main(argv=None) -> int:
@@ -206,14 +191,10 @@ def main(argv=None) -> int:
 
     from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params, save_pretrained
-    from shapes import model_config
 
-    jax.config.update("jax_log_compiles", True)
-    compiles = CompileLog()
-    logging.getLogger("jax").addHandler(compiles)
-    logging.getLogger("jax").propagate = False
+    compiles = common.count_compiles()
     folder = Path(tempfile.mkdtemp(prefix="tiny_vs_hf_"))
-    cfg = model_config(DIMS).replace(eos_token_id=2, bos_token_id=1)
+    cfg = common.model_config(DIMS).replace(eos_token_id=2, bos_token_id=1)
     save_pretrained(cfg, init_params(cfg, jax.random.key(0), shd.make_mesh({"fsdp": -1})), folder)
     ours, hf = Ours(folder), Transformers(folder)
     floors = {side: GemmFloor(side) for side in ("torch", "xla")} if args.floor else {}

@@ -9,8 +9,8 @@ through transformers (PyTorch).
 Runs ``--steps`` train steps on one mini-batch shape and one Lopti rollout-batch update
 (``update_on_batch``: 2 passes x 2 mini-batches), prints tokens/s (all tokens through the
 forward and backward pass; response tokens separately), achieved FLOP/s = 6 x params x tokens /
-time and MFU = that / (peak x devices) (peak: the device's bf16 peak from ``metrics.py``, or
---peak-tflops; on CPU, the measured float32 matmul rate of ``matmul_peak``: a practical peak,
+time and MFU = that / (peak x devices) (peak: the device's bf16 peak from the chip table, or
+--peak-tflops; on CPU, the measured float32 matmul rate of ``common.matmul_peak``: a practical peak,
 not the datasheet one, and noisy on a shared machine), and counts XLA compilations with ``jax_log_compiles``: after the
 warm-up step, and after the first rollout batch, there must be none (asserted).
 
@@ -22,26 +22,22 @@ KL term, backward, gradient clipping and torch.optim.AdamW.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
 
 SMALL = dict(hidden=128, intermediate=512, layers=4, heads=4, kv_heads=2, vocab=2048, tied=False)
 
 
 def parse_args():
-    from shapes import add_shape_flags
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=0, help="fake CPU devices (0 = the platform's own)")
     ap.add_argument("--mesh", default="fsdp=-1", help="mesh axes, e.g. fsdp=4,tensor=2")
-    add_shape_flags(ap, default=None)
+    common.add_shape_flags(ap, default=None)
     ap.add_argument("--batch", type=int, default=16, help="mini-batch rows")
     ap.add_argument("--micro", type=int, default=2, help="micro-batches per mini-batch")
     ap.add_argument("--seq", type=int, default=256, help="prompt + response tokens")
@@ -56,63 +52,6 @@ def parse_args():
     return ap.parse_args()
 
 
-class CompileCounter(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if msg.startswith("Finished XLA compilation of "):
-            self.names.append(msg.split(" of ", 1)[1].split(" in ")[0])
-
-    def since(self, start: int) -> list[str]:
-        return self.names[start:]
-
-
-def model_dims(args) -> dict:
-    from shapes import DIM_FLAGS, dims
-
-    overrides = {k: getattr(args, k) for k in DIM_FLAGS}
-    if args.shape:
-        return dims(args.shape, **overrides)
-    return {**SMALL, **{k: v for k, v in overrides.items() if v is not None}}
-
-
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    """The best FLOP/s of a float32 [n, n] x [n, n] matmul, through XLA (jitted) and through
-    numpy's BLAS, best of ``reps`` each: a practical CPU peak (the datasheet one is unknown here)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    host = np.asarray(a)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for run in (lambda: f(a).block_until_ready(), lambda: host @ host):
-        for _ in range(reps):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
-    return 2.0 * n ** 3 / best
-
-
-def device_peak(peak_tflops: float | None) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where it came from)."""
-    import jax
-
-    from arlopti_jax.runtime.chips import peak_flops_per_device
-
-    if peak_tflops:
-        return peak_tflops * 1e12, "--peak-tflops"
-    table = peak_flops_per_device()
-    if table:
-        return table, f"bf16 datasheet peak of {jax.devices()[0].device_kind}"
-    return matmul_peak() / jax.local_device_count(), "measured float32 matmul rate, XLA or BLAS (CPU)"
-
-
 def throughput_line(name: str, seconds: float, tokens: int, response_tokens: int, num_params: int, peak) -> str:
     flops = 6.0 * num_params * tokens / seconds
     util = f"MFU {flops / peak:.1%}"
@@ -120,54 +59,14 @@ def throughput_line(name: str, seconds: float, tokens: int, response_tokens: int
             f"({response_tokens / seconds:,.0f} response tokens/s), {flops / 1e12:.3f} TFLOP/s, {util}")
 
 
-def torch_token_logprobs(model, ids, attn):
-    """log pi(ids[:, t] | ids[:, :t]) for t >= 1, [B, T - 1], from the full logits (transformers' way)."""
-    import torch
-
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-
-
-def torch_minibatch_step(model, opt, t: dict, micro: int, clip=(0.2, 0.24), kl_coef=0.001):
-    """One optimizer step on a mini-batch of torch tensors (keys as the JAX train step's):
-    micro-batched forward/backward of the PPO clipped loss + k3 KL, clipping, AdamW."""
-    import torch
-
-    ids, attn = t["input_ids"], t["attention_mask"]
-    denom = t["response_mask"].sum().clamp(min=1)
-    opt.zero_grad(set_to_none=True)
-    for rows in torch.arange(ids.shape[0]).chunk(micro):
-        logp = torch_token_logprobs(model, ids[rows], attn[rows])
-        mask, a = t["loss_mask"][rows, 1:], t["advantages"][rows, 1:]
-        ratio = torch.exp(logp - t["old_logprobs"][rows, 1:])
-        pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
-        diff = t["ref_logprobs"][rows, 1:] - logp
-        kl = torch.exp(diff) - diff - 1  # k3 / low_var_kl
-        loss = ((pg + kl_coef * kl) * mask).sum() / denom
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-
-
-def torch_batch(arrays: dict) -> dict:
-    import numpy as np
-    import torch
-
-    ints = ("input_ids", "attention_mask")
-    return {k: torch.from_numpy(np.array(v)).long() if k in ints else torch.from_numpy(np.array(v, np.float32))
-            for k, v in arrays.items()}
-
-
 def time_torch(d: dict, mini: dict, micro: int, steps: int, dtype: str):
     """Seconds per mini-batch step of the same workload in transformers."""
     import torch
 
-    from shapes import hf_model
-
-    model = hf_model(d, dtype).train()
+    model = common.hf_model(d, dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
-    t = torch_batch(mini)
-    step = lambda: torch_minibatch_step(model, opt, t, micro)
+    t = common.torch_batch(mini)
+    step = lambda: common.torch_minibatch_step(model, opt, t, micro)
     step()  # warm-up
     start = time.perf_counter()
     for _ in range(steps):
@@ -186,22 +85,17 @@ def main():
     from arlopti_jax import algos
     from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import init_params
-    from shapes import model_config
 
-    jax.config.update("jax_log_compiles", True)
-    counter = CompileCounter()
-    logging.getLogger("jax").addHandler(counter)
-    logging.getLogger("jax").propagate = False  # count, do not print
-
-    mesh = shd.make_mesh({k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))})
-    d = model_dims(args)
-    cfg = model_config(d, dtype=args.dtype, param_dtype="float32", remat=args.remat)
+    counter = common.count_compiles()
+    mesh = shd.make_mesh(common.mesh_axes(args.mesh))
+    d = common.shape_dims(args, SMALL)
+    cfg = common.model_config(d, dtype=args.dtype, param_dtype="float32", remat=args.remat)
     params = init_params(cfg, jax.random.key(0), mesh)
     optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-5))
     opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
     loss_cfg = algos.LossConfig(kl_coef=0.001)
     rows = max(1, args.batch // args.micro // shd.batch_divisor(mesh))  # a dense micro-batch's rows per device
-    tokens = -(-rows * args.seq // 64) * 64  # packed tokens per device and micro-batch
+    tokens = common.packed_budget(rows, args.seq)  # packed tokens per device and micro-batch
     step = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens)
     logprobs = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens)
 
@@ -223,7 +117,7 @@ def main():
                                          rollout["old_logprobs"])
     mini = {k: np.asarray(v)[:args.batch] for k, v in {**rollout, "advantages": adv, "loss_mask": mask}.items()}
     tokens, response_tokens = int(mini["attention_mask"].sum()), int(mini["response_mask"].sum())
-    per_device, source = device_peak(args.peak_tflops)
+    per_device, source = common.device_peak(args.peak_tflops)
     peak = per_device * jax.device_count()
 
     print(f"jax {jax.__version__}, devices {jax.device_count()} ({jax.devices()[0].device_kind}), "

@@ -1,7 +1,7 @@
 """The paper's Figure 1 on any model and task: the policy's own samples, split into pi_old quartiles.
 
-    python bench/mechanism.py --config=configs/smollm2.py:cpu,grpo --responses=128
-    python bench/mechanism.py --responses=64                     # the embedded default's start point
+    python analysis/mechanism.py --config=configs/smollm2.py:cpu,grpo --responses=128
+    python analysis/mechanism.py --responses=64                     # the embedded default's start point
 
 From one batch of ``--responses`` samples (the config's training prompts, rollout.n each, at
 the rollout temperature), scored and turned into the config's advantages and token weights,
@@ -112,7 +112,7 @@ def main(argv) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    startup_done("bench/mechanism.py")
+    startup_done("analysis/mechanism.py")
     start = time.time()
     with config.unlocked():
         m = measure(config, responses)
@@ -134,10 +134,10 @@ def _cli():
     from arlopti_jax.config import DEFAULT_CONFIG
 
     command = Command(
-        name="bench/mechanism.py", doc=__doc__, default_file=DEFAULT_CONFIG,
+        name="analysis/mechanism.py", doc=__doc__, default_file=DEFAULT_CONFIG,
         flags=(("--responses=128", "responses of the batch (prompts x rollout.n)"),
                ("--out=runs/mechanism.md", "markdown file for the table")),
-        examples=("python bench/mechanism.py --config=configs/smollm2.py:cpu,grpo --responses=128",))
+        examples=("python analysis/mechanism.py --config=configs/smollm2.py:cpu,grpo --responses=128",))
 
     def define():
         flags.DEFINE_integer("responses", 128, "responses of the batch (prompts x rollout.n)")
