@@ -89,7 +89,8 @@ def run(args) -> None:
 
 def table(path: Path) -> str:
     records = json.loads(path.read_text())
-    lines = ["| model | hardware | layout | weights | estimate GiB | compiler GiB | compiler / estimate | peak program | "
+    lines = ["| model | hardware | layout | weights | estimate GiB | compiler GiB | compiler / estimate | peak program "
+             "| "
              "fits (compiler) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
         e = records.get(key(row))

@@ -50,7 +50,8 @@ def simulate(name, attention, response, mini_batch: int, budget: int, attention_
         listed += done.target_slots
         needed += sum(mb.target_count for mb in plans)
     pads = np.asarray(pads)
-    print(f"| {name} | {pads.mean():.1%} | {np.quantile(pads, 0.9):.1%} | {pads.max():.1%} | {len(shapes)} | {listed / needed:.2f} |")
+    print(f"| {name} | {pads.mean():.1%} | {np.quantile(pads, 0.9):.1%} | {pads.max():.1%} | {len(shapes)} | "
+          f"{listed / needed:.2f} |")
 
 
 def main(argv=None) -> int:

@@ -422,7 +422,7 @@ def compare(args, argv: list[str]) -> None:
     passed = [a for a in argv if a not in ("--skip-tiny", "--compare-shared", "--hf")]
     sides = {"after": (ROOT, None, [])}
     if args.compare_shared:
-        sides = {"unshared": (ROOT, None, ["--shared-prefix", "off"]), "shared": (ROOT, None, ["--shared-prefix", "on"])}
+        sides = {side: (ROOT, None, ["--shared-prefix", on]) for side, on in (("unshared", "off"), ("shared", "on"))}
     elif args.before != "none":
         tmp = tempfile.mkdtemp(prefix="before_")
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "arlopti_jax"],
@@ -486,7 +486,8 @@ def compare(args, argv: list[str]) -> None:
         print("\nshared prefix, faster by: " + ", ".join(f"{p} {ratio(p):.2f}x" for p in ("step", "update",
                                                                                             "ref_logprobs")))
         for side in records:
-            print(f"peak RSS per round, {side}: " + ", ".join(f"{r['peak_rss'] / 2**30:.2f} GiB" for r in records[side]))
+            rss = ", ".join(f"{r['peak_rss'] / 2**30:.2f} GiB" for r in records[side])
+            print(f"peak RSS per round, {side}: {rss}")
     for side in (s for s in records if s != "before"):
         early = [r["stats"].get("ended_early", 0) for r in records[side]]
         print(f"rows that sampled the EOS id before their forced length ({side}, last step of each round): {early}")
@@ -582,7 +583,8 @@ def compare_smollm2(args) -> None:
               for side, recs in records.items()}
     u, s = steady["unshared"], steady["shared"]
     print(f"over the steps that compiled no new update program: update {u['update']:.2f} / {s['update']:.2f} s = "
-          f"{u['update'] / s['update']:.2f}x, RL step {u['step']:.2f} / {s['step']:.2f} s = {u['step'] / s['step']:.2f}x")
+          f"{u['update'] / s['update']:.2f}x, RL step {u['step']:.2f} / {s['step']:.2f} s = "
+          f"{u['step'] / s['step']:.2f}x")
     for side in sides:
         print(f"peak RSS per round, {side}: " + ", ".join(f"{rec['peak_rss'] / 2**30:.2f}" for rec in records[side]))
     first = records["unshared"][0]["steps"]

@@ -183,7 +183,8 @@ def decode(args) -> None:
                     line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
                              f"({moved / minimum:4.2f}x)")
                     if target.platform == "gpu" and cost.get("bytes accessed"):
-                        line += f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, {cost.get('flops', 0) / 1e9:.0f} GFLOP]"
+                        line += (f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, "
+                                 f"{cost.get('flops', 0) / 1e9:.0f} GFLOP]")
                     if "optimal_seconds" in cost:
                         roof = minimum / target.hbm_bytes_per_s
                         estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
@@ -201,8 +202,8 @@ def decode(args) -> None:
                         ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20)
                         bw = target.hbm_bytes_per_s
                         line += f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the compiler's bytes"
-                        line += f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: {minimum / bw * 1e3 / ms:.0%})" \
-                            if bw else ")"
+                        line += (f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: "
+                                 f"{minimum / bw * 1e3 / ms:.0%})" if bw else ")")
                 print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
 
 
@@ -389,7 +390,8 @@ def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
     if args.run and target.name == "local":
         counted = hlo.Module(compiled.as_text()).bytes()
         moved = cost.get("bytes accessed") or counted
-        print(f"optimized HLO traffic {counted / 1e9:.1f} GB; cost analysis {cost.get('bytes accessed', 0) / 1e9:.1f} GB")
+        print(f"optimized HLO traffic {counted / 1e9:.1f} GB; cost analysis "
+              f"{cost.get('bytes accessed', 0) / 1e9:.1f} GB")
         ms = time_program(compiled, (params, acc, mb), carry=1)
         peak = target.peak_flops or float("nan")
         bw = target.hbm_bytes_per_s
