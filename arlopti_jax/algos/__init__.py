@@ -10,13 +10,13 @@ from arlopti_jax.algos.advantages import (AdvantageConfig, advantage_estimators,
 from arlopti_jax.algos.diagnostics import (isolation_experiment, make_quartile_grad_norms, probability_quartiles,
                                            quartile_grad_norm_metrics, quartile_masks)
 from arlopti_jax.algos.losses import (AGG_MODES, KL_ESTIMATORS, LOSS_MODES, RATIO_LEVELS, LossConfig,
-                                      aggregation_weights, cispo_loss, clipped_surrogate, kl_penalty, policy_loss,
-                                      ppo_clipped_loss, sequence_ids, sequence_mean)
+                                      aggregation_weights, cispo_loss, clipped_surrogate, kl_penalty,
+                                      loss_mode_conflict, policy_loss, ppo_clipped_loss, sequence_ids, sequence_mean)
 from arlopti_jax.algos.token_weights import (LoptiConfig, TokenWeightConfig, entropy_top_mask, lopti_masks,
                                              lopti_threshold, prepare_updates, register_token_weighting,
                                              token_weightings, weight_advantages)
-from arlopti_jax.algos.train_step import (OptimConfig, TrainStep, current_lr, init_opt_state, make_compute_logprobs,
-                                          make_optimizer, make_schedule, make_train_step, opt_state_shardings,
+from arlopti_jax.algos.train_step import (SCHEDULES, OptimConfig, TrainStep, current_lr, init_opt_state,
+                                          make_compute_logprobs, make_optimizer, make_schedule, make_train_step, opt_state_shardings,
                                           update_on_batch)
 
 __all__ = [
@@ -24,9 +24,10 @@ __all__ = [
     "isolation_experiment", "make_quartile_grad_norms", "probability_quartiles", "quartile_grad_norm_metrics",
     "quartile_masks",
     "AGG_MODES", "KL_ESTIMATORS", "LOSS_MODES", "RATIO_LEVELS", "LossConfig", "aggregation_weights", "cispo_loss",
-    "clipped_surrogate", "kl_penalty", "policy_loss", "ppo_clipped_loss", "sequence_ids", "sequence_mean",
+    "clipped_surrogate", "kl_penalty", "loss_mode_conflict", "policy_loss", "ppo_clipped_loss", "sequence_ids",
+    "sequence_mean",
     "LoptiConfig", "TokenWeightConfig", "entropy_top_mask", "lopti_masks", "lopti_threshold", "prepare_updates",
     "register_token_weighting", "token_weightings", "weight_advantages",
-    "OptimConfig", "TrainStep", "current_lr", "init_opt_state", "make_compute_logprobs",
+    "SCHEDULES", "OptimConfig", "TrainStep", "current_lr", "init_opt_state", "make_compute_logprobs",
     "make_optimizer", "make_schedule", "make_train_step", "opt_state_shardings", "update_on_batch",
 ]

@@ -61,6 +61,14 @@ LOSS_MODES = ("ppo", "cispo")
 RATIO_LEVELS = ("token", "sequence")
 
 
+def loss_mode_conflict(mode: str, ratio_level: str) -> str | None:
+    """Why ``mode`` and ``ratio_level`` cannot go together, or None (config validation and
+    ``LossConfig`` both ask this)."""
+    if mode == "cispo" and ratio_level == "sequence":
+        return "'sequence' is GSPO's clipped sequence ratio and loss.mode='cispo' weights each token: choose one"
+    return None
+
+
 def _k1(logp, ref):
     return logp - ref
 
@@ -122,9 +130,9 @@ class LossConfig:
             raise ValueError(f"LossConfig.ratio_level={self.ratio_level!r}: allowed {list(RATIO_LEVELS)}")
         if self.cispo_max_weight < 1:
             raise ValueError(f"LossConfig.cispo_max_weight={self.cispo_max_weight}: must be >= 1")
-        if self.mode == "cispo" and self.ratio_level == "sequence":
-            raise ValueError("LossConfig.ratio_level='sequence' is GSPO's clipped sequence ratio; mode='cispo' "
-                             "weights tokens: choose one")
+        conflict = loss_mode_conflict(self.mode, self.ratio_level)
+        if conflict:
+            raise ValueError(f"LossConfig.ratio_level={self.ratio_level!r}: {conflict}")
 
     @property
     def use_kl(self) -> bool:

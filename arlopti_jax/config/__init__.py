@@ -13,20 +13,26 @@ import ml_collections
 
 from arlopti_jax.runtime.startup import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
 
+from arlopti_jax import algos
 from arlopti_jax.models.config import ATTENTION_IMPLS
+from arlopti_jax.tasks.data import PROMPT_STYLES
 
 # The config file the train and eval commands use without --config: the embedded CPU default.
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "embedded" / "default.py")
-ADV_ESTIMATORS = ("grpo", "reinforce_plus_plus", "rloo", "dr_grpo")
-WEIGHTINGS = ("none", "ar", "tr")
-LOPTI_SPLITS = ("threshold", "quantile")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-LOSS_MODES = ("ppo", "cispo")
-RATIO_LEVELS = ("token", "sequence")
-SCHEDULES = ("constant", "warmup_cosine")
+LOPTI_SPLITS = ("threshold", "quantile")  # config's own: algos takes LoptiConfig(quantile=...)
 DTYPES = ("float32", "bfloat16")
-PROMPT_STYLES = ("auto", "template", "messages")
+
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """Each choice field's allowed values, from the registries of the code that implements them
+    (``algos``' estimators, weightings, loss modes...; registered ones included), so no list here
+    can drift from what runs."""
+    return {"algo.adv_estimator": tuple(algos.advantage_estimators()),
+            "algo.weighting": tuple(algos.token_weightings()), "algo.lopti_split": LOPTI_SPLITS,
+            "loss.kl_type": tuple(algos.KL_ESTIMATORS), "loss.agg": algos.AGG_MODES, "loss.mode": algos.LOSS_MODES,
+            "loss.ratio_level": algos.RATIO_LEVELS, "optim.schedule": algos.SCHEDULES,
+            "model.dtype": DTYPES, "model.param_dtype": DTYPES, "model.attention": ATTENTION_IMPLS,
+            "data.prompt_style": PROMPT_STYLES}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -308,12 +314,7 @@ def _choice(c, field: str, allowed) -> None:
 
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line, naming the field) for any invalid value."""
-    for field, allowed in [("algo.adv_estimator", ADV_ESTIMATORS), ("algo.weighting", WEIGHTINGS),
-                           ("algo.lopti_split", LOPTI_SPLITS), ("loss.kl_type", KL_TYPES),
-                           ("loss.agg", AGGREGATIONS), ("loss.mode", LOSS_MODES),
-                           ("loss.ratio_level", RATIO_LEVELS), ("optim.schedule", SCHEDULES),
-                           ("model.dtype", DTYPES), ("model.param_dtype", DTYPES), ("model.attention", ATTENTION_IMPLS),
-                           ("data.prompt_style", PROMPT_STYLES)]:
+    for field, allowed in choices().items():
         _choice(c, field, allowed)
     _check(c.model.attention != "cudnn" or c.model.dtype == "bfloat16", "model.attention", c.model.attention,
            "cuDNN's fused attention needs model.dtype='bfloat16' ('auto' falls back to XLA by itself)")
@@ -342,9 +343,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> No
     _check(c.loss.kl_coef >= 0, "loss.kl_coef", c.loss.kl_coef, "must be >= 0")
     _check(c.loss.cispo_max_weight >= 1, "loss.cispo_max_weight", c.loss.cispo_max_weight,
            "must be >= 1 (an upper bound on the importance weight, whose on-policy value is 1)")
-    _check(not (c.loss.mode == "cispo" and c.loss.ratio_level == "sequence"), "loss.ratio_level",
-           c.loss.ratio_level, "'sequence' is GSPO's clipped sequence ratio and loss.mode='cispo' weights each "
-           "token: choose one")
+    conflict = algos.loss_mode_conflict(c.loss.mode, c.loss.ratio_level)
+    _check(conflict is None, "loss.ratio_level", c.loss.ratio_level, conflict)
     top = c.algo.entropy_top_fraction
     _check(0.0 <= top < 1.0, "algo.entropy_top_fraction", top, "must be in [0, 1) (0 = off; the paper: 0.2)")
     _check(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")

@@ -23,7 +23,7 @@ from pathlib import Path
 import ml_collections
 
 from arlopti_jax.runtime.startup import STARTUP_CHECK_ENV, startup_done  # noqa: F401  (re-exported)
-from arlopti_jax.config import FIELD_DOCS, base_config, field_paths, load_config_file
+from arlopti_jax.config import FIELD_DOCS, base_config, choices, field_paths, load_config_file
 
 HELP_FLAGS = ("-h", "--help", "--helpfull", "--helpshort")
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"  # present in a source checkout
@@ -89,7 +89,8 @@ def _config_files() -> list[str]:
 
 def help_text(command: Command, argv: list[str]) -> str:
     config = _load(argv, command)
-    wrap = lambda text, indent: textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent)
+    wrap = lambda text, indent: textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent,
+                                              break_on_hyphens=False)  # names like seq-mean-token-mean stay whole
     usage_file = "" if command.default_file is None else " [--config=FILE[:ARG]]"
     program = command.name if command.name.endswith(".py") else f"-m {command.name}"  # a script, or a module
     out = [f"usage: python {program}{usage_file} [--config.GROUP.FIELD=VALUE ...]"
@@ -118,13 +119,17 @@ def help_text(command: Command, argv: list[str]) -> str:
         out += [f"Config fields, with their values in {shown} ([base: X] where the base default differs):"]
         base = command.default_config()
     order = {name: i for i, name in enumerate(command.docs)}
+    allowed = choices() if command.docs is FIELD_DOCS else {}  # the registries' values, listed as validated
     base_fields = set(field_paths(base)) if base is not None else set()
     for name in sorted(field_paths(config), key=lambda n: (order.get(n, len(order)), n)):
         value = _show(_get(config, name))
         note = ""
         if name in base_fields and _show(_get(base, name)) != value:
             note = f"   [base: {_show(_get(base, name))}]"
-        out += [f"  {name} = {value}{note}", wrap(command.docs.get(name, "(undocumented)"), "      ")]
+        meaning = command.docs.get(name, "(undocumented)")
+        if name in allowed:
+            meaning += f" [allowed: {', '.join(allowed[name])}]"
+        out += [f"  {name} = {value}{note}", wrap(meaning, "      ")]
     out += ["", "Examples:", *(f"  {line}" for line in command.examples)]
     return "\n".join(out)
 
