@@ -282,9 +282,10 @@ class Sweep:
         self.out.mkdir(parents=True, exist_ok=True)
         import jax
 
+        from arlopti_jax.runtime import compile_cache
+
         if not jax.config.jax_compilation_cache_dir:  # runs 2..N reuse the first run's compiled programs
-            jax.config.update("jax_compilation_cache_dir", str(self.out / "jax_cache"))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            compile_cache.use(self.out / "jax_cache")
         start_point = self.start_point()
         self.results["model_params"] = model_params(start_point)
         base = base_config(self.scale)

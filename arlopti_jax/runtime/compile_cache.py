@@ -56,7 +56,13 @@ def _enable_remote(url: str) -> str:
     except Exception as err:  # noqa: BLE001 - ImportError for a missing backend, the backend's own errors
         detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"config.compile_cache_dir={url} cannot be used: {detail}") from None
-    jax.config.update("jax_compilation_cache_dir", folder)
+    return use(folder)
+
+
+def use(folder: str | Path) -> str | Path:
+    """Compile through the persistent cache in ``folder`` as it is (no subfolder), caching every
+    program however fast it compiled, up to ``MAX_BYTES``: the one place these settings are made."""
+    jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return folder
@@ -78,7 +84,4 @@ def enable(directory: str) -> Path | str | None:
     except OSError as err:  # a read-only home, say: compile as without the cache
         logging.getLogger(__name__).warning("no persistent compilation cache: %s", err)
         return None
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
-    return path
+    return use(path)

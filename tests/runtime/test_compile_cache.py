@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,30 @@ def test_a_remote_folder_is_not_a_local_one(tmp_path, monkeypatch):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: config.compile_cache_dir=gs://bucket/x cannot be used") and "gcsfs" in lines[0]
     assert not (tmp_path / "gs:").exists()
+
+
+def test_the_cache_settings_are_made_in_one_place(tmp_path):
+    """``compile_cache.use`` makes the three settings (folder, every program cached, the size bound);
+    ``enable`` (local and remote) and the sweep's own folder go through it, and no other module sets them."""
+    import jax
+
+    from arlopti_jax.runtime import compile_cache
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_compilation_cache_max_size")
+    before = {k: getattr(jax.config, k) for k in keys}
+    try:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_compilation_cache_max_size", -1)
+        assert compile_cache.use(tmp_path / "a") == tmp_path / "a"
+        assert {k: getattr(jax.config, k) for k in keys} == dict(zip(keys, (str(tmp_path / "a"), 0.0, 4 << 30)))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        folder = compile_cache.enable(str(tmp_path / "b"))
+        assert folder.parent == tmp_path / "b"
+        assert {k: getattr(jax.config, k) for k in keys} == dict(zip(keys, (str(folder), 0.0, 4 << 30)))
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+    package = Path(compile_cache.__file__).parents[1]
+    setters = [str(p.relative_to(package)) for p in package.rglob("*.py")
+               if re.search(r"config\.update\(\s*\"jax_(compilation_cache_dir|persistent_cache_min)", p.read_text())]
+    assert setters == ["runtime/compile_cache.py"]
