@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from arlopti_jax import algos
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import ModelConfig, param_shardings, token_logprobs
 from arlopti_jax.tasks.data import render_prompt
@@ -64,9 +65,11 @@ def read_pairs(paths) -> list[dict]:
 
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, grad_clip: float):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1), lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+    """SFT's AdamW (beta2 0.95; linear warm-up over ``warmup`` steps, then cosine decay to lr / 10
+    at ``steps``), built by the trainer's ``algos.make_optimizer``."""
+    return algos.make_optimizer(algos.OptimConfig(
+        lr=lr, b1=0.9, b2=0.95, weight_decay=weight_decay, eps=1e-8, grad_clip=grad_clip, schedule="warmup_cosine",
+        warmup_steps=max(1, warmup), total_steps=max(steps, warmup + 1), min_lr_ratio=0.1))
 
 
 def make_sft_step(model_cfg: ModelConfig, optimizer, mesh, rules=shd.DEFAULT_RULES):

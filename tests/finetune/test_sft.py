@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -91,3 +92,29 @@ def test_sft_data_errors_stop_at_start_up_in_one_line(start_point, tmp_path, che
     few.write_text("".join(json.dumps({"prompt": f"q{i}", "response": "a"}) + "\n" for i in range(3)))
     line = error_line(few, "--config.train.batch=16")
     assert line.startswith("error: config.train.batch=16:") and str(few) in line and "got 3" in line
+
+
+def test_sft_optimizer_is_the_trainers_with_sfts_schedule():
+    """``make_optimizer`` is ``algos.make_optimizer`` with SFT's settings: the updates of AdamW
+    (beta2 0.95) after a global-norm clip, at a linear warm-up then a cosine decay to lr / 10,
+    written here with optax directly."""
+    import optax
+
+    from arlopti_jax.algos import current_lr
+
+    lr, steps, warmup, wd, clip = 3e-3, 12, 3, 0.01, 0.5
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * 0.1)
+    want_opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=wd))
+    got_opt = make_optimizer(lr, steps, warmup, wd, clip)
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)}
+    want, got = params, params
+    want_state, got_state = want_opt.init(want), got_opt.init(got)
+    for step in range(steps + 2):
+        grads = {"w": jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)}
+        updates, want_state = want_opt.update(grads, want_state, want)
+        want = optax.apply_updates(want, updates)
+        updates, got_state = got_opt.update(grads, got_state, got)
+        got = optax.apply_updates(got, updates)
+        np.testing.assert_allclose(float(current_lr(got_state)), float(schedule(step)), rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-6, atol=1e-8)
