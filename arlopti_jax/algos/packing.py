@@ -65,9 +65,9 @@ responses, and a row holds only as many as fit its length, which the attention c
 token grow with it) keeps near the longest sequence. With responses longer than the prompt, a
 group's eight land in three or four rows: on K&K prompt lengths (264-328 tokens) and responses of
 median 390, 4.0 copies per prompt, 18.8k packed tokens against 23.5k unshared and 15.2k with each
-prompt once (``bench/shared_packing.py``), on the CPU benchmarks' tiny model, whose dear attention
+prompt once (measured 2026-11-26, journal issue 29), on the CPU benchmarks' tiny model, whose dear attention
 keeps rows short. At a real model's widths keys are cheap, rows grow to hold a whole group and its
-prompt is forwarded about once (``bench/shared_compiled.py``). Rows that read their prompt's keys
+prompt is forwarded about once (compiler figures, journal issue 29). Rows that read their prompt's keys
 from another row of their device reach one copy everywhere, but every row of such a micro-batch
 pays those keys: tried, exact, and no faster (docs/measurements/journal.md, issue 29, fourth session).
 """
