@@ -129,11 +129,6 @@ def init_opt_state(optimizer: optax.GradientTransformation, model_cfg: ModelConf
     return _jitted_init(optimizer, model_cfg, mesh, rules)(params)
 
 
-def _put(x: np.ndarray, sharding) -> Array:
-    """A host array that every process holds whole -> a global array in ``sharding``."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
 def _dense_host(batch: dict[str, Any], keys: Sequence[str]) -> dict[str, np.ndarray]:
     missing = [k for k in keys if k not in batch]
     if missing:
@@ -258,7 +253,7 @@ class TrainStep:
             acc = self._zeros(params)
             for mb in micro_batches:
                 arrays = packing.gather(mb, {"input_ids": batch["input_ids"]}, targets)
-                arrays = {k: _put(v, self.row_sharding) for k, v in arrays.items()}
+                arrays = {k: shd.put(v, self.row_sharding) for k, v in arrays.items()}
                 acc = self._accumulate(params, acc, arrays)
         return acc, n_tok
 
@@ -325,7 +320,7 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
         with shd.activate(mesh, rules):
             for mb in plan:
                 arrays = packing.gather(mb, {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]})
-                arrays = {k: _put(v, row_sharding) for k, v in arrays.items()}
+                arrays = {k: shd.put(v, row_sharding) for k, v in arrays.items()}
                 values.append((with_entropy_jitted if with_entropy else jitted)(params, arrays))
         values = jax.device_get(values)
         if with_entropy:

@@ -102,12 +102,16 @@ def _half(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length() - 1)
 
 
-def _put(x: np.ndarray, sharding, global_rows: int = 0) -> Array:
-    """Host rows -> a global array in ``sharding``: with one process ``x`` is the whole array;
-    with several, ``x`` is this process's rows of a ``global_rows``-row array."""
-    if jax.process_count() == 1:
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-    return jax.make_array_from_process_local_data(sharding, x, (global_rows,) + x.shape[1:])
+def batch_rows(count: int, sampling: SamplingConfig, div: int) -> int:
+    """Rows of the padded prompt batch of ``count`` prompts (all processes'): ``count`` bucketed by
+    ``sampling.batch_bucket``, then rounded up to a multiple of ``div``, the mesh's data x fsdp."""
+    return -(-bucket(count, sampling.batch_bucket) // div) * div
+
+
+def eos_width(sampling: SamplingConfig) -> int:
+    """Slots of the traced EOS-id array: the ids padded with -1 (never a token) to a multiple of 8,
+    so one program serves any count."""
+    return -(-max(1, len(sampling.eos_ids)) // 8) * 8
 
 
 class Sampler:
@@ -178,7 +182,7 @@ class Sampler:
         if total == 0:
             raise ValueError("generate: prompts is empty")
         div = shd.batch_divisor(self.mesh)
-        rows = -(-bucket(total, sampling.batch_bucket) // div) * div
+        rows = batch_rows(total, sampling, div)
         per = div // procs  # every process holds the same number of rows, whole shards
         local = max(rows // procs, -(-count // per) * per)
         return bucket(longest, sampling.prompt_bucket), local * procs, local
@@ -190,7 +194,7 @@ class Sampler:
         if jax.process_count() == 1:
             return slice(0, num_prompts)
         div = shd.batch_divisor(self.mesh)
-        rows = -(-bucket(max(num_prompts, 1), sampling.batch_bucket) // div) * div
+        rows = batch_rows(max(num_prompts, 1), sampling, div)
         index = shd.batch_sharding(self.mesh, 1).addressable_devices_indices_map((rows,))
         start = min(s[0].indices(rows)[0] for s in index.values())
         return slice(min(start, num_prompts), min(start + rows // jax.process_count(), num_prompts))
@@ -218,8 +222,7 @@ class Sampler:
 
     @staticmethod
     def _traced_settings(sampling: SamplingConfig):
-        # EOS ids padded with -1 (never a token) to a multiple of 8: one program for any count
-        eos = np.full(-(-max(1, len(sampling.eos_ids)) // 8) * 8, -1, np.int32)
+        eos = np.full(eos_width(sampling), -1, np.int32)
         eos[: len(sampling.eos_ids)] = sampling.eos_ids
         return jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), jnp.asarray(eos)
 
@@ -236,11 +239,11 @@ class Sampler:
         live = np.arange(batch.ids.shape[0]) < batch.num_prompts
         stops = self._stop_rows(stop_at, batch, n, sampling)
         with shd.activate(self.mesh, self.rules):
-            ids, mask = _put(batch.ids, rows, batch.global_rows), _put(batch.mask, rows, batch.global_rows)
+            ids, mask = shd.put(batch.ids, rows, batch.global_rows), shd.put(batch.mask, rows, batch.global_rows)
             cache, logits = self._prefill(params, ids, mask)
             one = shd.batch_sharding(self.mesh, 1)
-            live = _put(live, one, batch.global_rows)
-            stops = _put(stops, one, (batch.global_rows or batch.ids.shape[0]) * n)
+            live = shd.put(live, one, batch.global_rows)
+            stops = shd.put(stops, one, (batch.global_rows or batch.ids.shape[0]) * n)
             return self._start(cache, logits, mask, live, stops, key, temperature, top_p, eos, n=n,
                                max_len=sampling.max_response_len,
                                slots=batch.ids.shape[1] + sampling.phase_ends()[0], kernel=sampling.kernel_key)
@@ -310,13 +313,13 @@ class Sampler:
         abstract arguments (``params`` too: ShapeDtypeStructs with their shardings), which
         returns its outputs as abstract values. Nothing is allocated (``arlopti_jax.aot``)."""
         div = self.devices
-        b = -(-bucket(prompts, sampling.batch_bucket) // div) * div
+        b = batch_rows(prompts, sampling, div)
         p, r = bucket(longest, sampling.prompt_bucket), sampling.max_response_len
         rows2, rows1, rep = shd.batch_sharding(self.mesh, 2), shd.batch_sharding(self.mesh, 1), shd.replicated(self.mesh)
         spec = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         ids, live, stops = spec((b, p), jnp.int32, rows2), spec((b,), jnp.bool_, rows1), spec((b * n,), jnp.int32, rows1)
         key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep)
-        eos = -(-max(1, len(sampling.eos_ids)) // 8) * 8
+        eos = eos_width(sampling)
         temperature, top_p, eos_ids = spec((), jnp.float32, rep), spec((), jnp.float32, rep), spec((eos,), jnp.int32, rep)
         ends, kernel = sampling.phase_ends(), sampling.kernel_key
         with shd.activate(self.mesh, self.rules):

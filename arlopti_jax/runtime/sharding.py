@@ -136,6 +136,15 @@ def batch_divisor(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def put(x: np.ndarray, sharding: NamedSharding, global_rows: int | None = None) -> jax.Array:
+    """A host array -> a global array in ``sharding``. With one process, or ``global_rows`` None
+    (every process holds ``x`` whole), ``x`` is the whole array; otherwise ``x`` is this process's
+    rows of a ``global_rows``-row array."""
+    if global_rows is None or jax.process_count() == 1:
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.make_array_from_process_local_data(sharding, x, (global_rows,) + x.shape[1:])
+
+
 def describe(tree) -> dict[str, str]:
     """Flat {path: sharding spec} of a tree of arrays, for logs and tests."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -12,7 +12,9 @@ from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import load_pretrained, param_shardings
 from arlopti_jax.models import logits as _logits
 from arlopti_jax.models import token_logprobs as _token_logprobs
+from arlopti_jax.models import ModelConfig
 from arlopti_jax.rollout import Sampler, SamplingConfig, bucket
+from arlopti_jax.rollout.sampler import batch_rows, eos_width
 from hf_fixtures import VOCAB, write_hf_model
 from reference_sampler import reference_generate
 
@@ -302,3 +304,33 @@ def test_draws_and_logprobs_equal_a_numpy_transcription(platform, mode, monkeypa
     if mode == "greedy":
         assert tokens[0] == 7
     np.testing.assert_allclose(np.asarray(lp), log_softmax[np.arange(6), expected], rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_count_for_the_padded_batch_its_compiled_programs_and_a_process_share():
+    """``batch_rows``: prompts bucketed (min(next power of 2, next multiple of batch_bucket)), then
+    a multiple of the mesh's data x fsdp, as pad_prompts, programs and process_share all lay it out."""
+    sampling = SamplingConfig(max_response_len=4, batch_bucket=8, length_aware=False)
+    want = {1: 8, 3: 8, 5: 8, 8: 8, 9: 16, 17: 24, 20: 24, 33: 40}  # by hand, for data x fsdp = 8
+    assert {n: batch_rows(n, sampling, 8) for n in want} == want
+    assert [batch_rows(n, sampling, 1) for n in (1, 3, 5, 9, 17)] == [1, 4, 8, 16, 24]
+    assert [batch_rows(n, sampling, 3) for n in (1, 3, 5, 9)] == [3, 6, 9, 18]
+    widths = [eos_width(SamplingConfig(max_response_len=4, eos_ids=ids)) for ids in ((), (1,), tuple(range(9)))]
+    assert widths == [8, 8, 16]
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8)
+    sampler = Sampler(cfg, shd.make_mesh({"fsdp": 8}))
+    for n in want:
+        assert sampler.pad_prompts([[3, 4]] * n, sampling).ids.shape[0] == want[n]
+        assert sampler.process_share(n, sampling) == slice(0, n)
+
+    class Prefill(Exception):
+        pass
+
+    def compile(name, fn, *args, **kwargs):  # stops at the prefill, with its prompt rows
+        if name == "prefill":
+            raise Prefill(args[1].shape[0])
+        return args[0]
+
+    with pytest.raises(Prefill) as prefill:
+        sampler.programs(None, 17, 5, 1, sampling, compile)
+    assert prefill.value.args[0] == want[17]

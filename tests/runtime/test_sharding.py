@@ -83,3 +83,15 @@ def test_mesh_shape_errors():
     with pytest.raises(ValueError, match="needs 4 devices, have 8"):
         shd.resolve_mesh_shape({"data": 2, "fsdp": 2}, 8)
     assert shd.resolve_mesh_shape({"tensor": 2, "fsdp": -1}, 8) == {"data": 1, "fsdp": 4, "tensor": 2}
+
+
+def test_put_places_a_host_array_whole_in_its_sharding():
+    """``shd.put``, the one host -> global array placement (sampler and train step): with one
+    process the array is whole, with or without ``global_rows``."""
+    mesh = shd.make_mesh({"fsdp": 8})
+    x = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)
+    for sharding in (shd.batch_sharding(mesh), shd.replicated(mesh)):
+        for rows in (None, 16, 0):
+            y = shd.put(x, sharding, rows)
+            assert y.sharding == sharding and np.array_equal(np.asarray(y), x)
+    assert len(shd.put(x, shd.batch_sharding(mesh)).addressable_shards) == 8
