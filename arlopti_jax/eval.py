@@ -97,13 +97,12 @@ def main(argv) -> int:
 
 def _cli():
     from absl import flags
-    from ml_collections import config_flags
 
-    from arlopti_jax.config.cli import parse_command_line
+    from arlopti_jax.config.cli import define_config_file, parse_command_line
 
     def define():
         flags.DEFINE_string("checkpoint", "", "A checkpoint step folder (…/checkpoints/<step>) to evaluate.")
-        config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).", lock_config=True)
+        define_config_file()
 
     sys.exit(main(parse_command_line(sys.argv, COMMAND, define)))
 

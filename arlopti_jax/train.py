@@ -61,13 +61,9 @@ def main(argv) -> int:
 
 
 def _cli():
-    from ml_collections import config_flags
+    from arlopti_jax.config.cli import define_config_file, parse_command_line
 
-    from arlopti_jax.config.cli import parse_command_line
-
-    define = lambda: config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).",
-                                                     lock_config=True)
-    sys.exit(main(parse_command_line(sys.argv, COMMAND, define)))
+    sys.exit(main(parse_command_line(sys.argv, COMMAND, define_config_file)))
 
 
 if __name__ == "__main__":

@@ -126,17 +126,15 @@ def main(argv) -> int:
 
 def _cli():
     from absl import flags
-    from ml_collections import config_flags
 
-    from arlopti_jax.config.cli import parse_command_line
+    from arlopti_jax.config.cli import define_config_file, parse_command_line
 
     def define():
         flags.DEFINE_string("target", "", "compile-only target(s), comma-separated")
         flags.DEFINE_string("json", "", "write the records as JSON to this file")
         flags.DEFINE_bool("eval", False, "also compile the evaluation's sampler programs")
         flags.DEFINE_bool("verbose", False, "a line per program as it compiles")
-        config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).",
-                                        lock_config=True)
+        define_config_file()
 
     sys.exit(main(parse_command_line(sys.argv, COMMAND, define)))
 

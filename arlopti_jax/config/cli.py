@@ -23,7 +23,7 @@ from pathlib import Path
 import ml_collections
 
 from arlopti_jax.runtime.startup import STARTUP_CHECK_ENV, startup_done  # noqa: F401  (re-exported)
-from arlopti_jax.config import FIELD_DOCS, base_config, choices, field_paths, load_config_file
+from arlopti_jax.config import DEFAULT_CONFIG, FIELD_DOCS, base_config, choices, field_paths, load_config_file
 
 HELP_FLAGS = ("-h", "--help", "--helpfull", "--helpshort")
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"  # present in a source checkout
@@ -149,6 +149,15 @@ def config_table(docs: dict[str, str] = FIELD_DOCS) -> str:
         rows.append(f"| `{name}` | {'`' + value + '`' if isinstance(_get(base, name), str) else value} "
                     f"| {docs[name].replace('|', chr(92) + '|')} |")  # a bare | would end the cell
     return "\n".join(rows)
+
+
+def define_config_file() -> None:
+    """The ``--config=FILE[:ARG]`` flag of the commands that read a config file (train, eval, aot);
+    without it, the embedded default. Overrides are ``--config.GROUP.FIELD=VALUE``; the config is
+    locked (a new field is an error)."""
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Python config file (see configs/).", lock_config=True)
 
 
 def parse_command_line(argv: list[str], command: Command, define_flags) -> list[str]:

@@ -146,3 +146,24 @@ def test_imports_run_one_way():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def test_the_config_file_flag_is_defined_in_one_place():
+    """train, eval and aot define ``--config`` with ``cli.define_config_file``: the embedded default
+    without a file, overrides applied, the config locked against new fields."""
+    code = ("import sys\nfrom absl import flags\nfrom arlopti_jax.config.cli import define_config_file\n"
+            "define_config_file()\nflags.FLAGS(['x', *sys.argv[1:]])\nc = flags.FLAGS.config\n"
+            "print(c.train.max_steps, c.rollout.n)\n")
+    default = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    from arlopti_jax.embedded.default import get_config
+
+    assert default.stdout.split() == [str(get_config().train.max_steps), str(get_config().rollout.n)], default.stderr
+    changed = subprocess.run([sys.executable, "-c", code, "--config.train.max_steps=3"], capture_output=True,
+                             text=True, cwd=REPO, timeout=120)
+    assert changed.stdout.split()[0] == "3", changed.stderr
+    new = subprocess.run([sys.executable, "-c", code, "--config.train.new_field=3"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert new.returncode != 0 and "new_field" in new.stderr
+    for path in ("train.py", "eval.py", "aot/__main__.py"):
+        source = (PACKAGE / path).read_text()
+        assert "define_config_file" in source and "DEFINE_config_file" not in source, path
