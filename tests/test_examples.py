@@ -121,21 +121,28 @@ def world(tmp_path_factory):
     from arlopti_jax.tasks.kk import generate_rows, write_parquet
 
     root = tmp_path_factory.mktemp("examples")
-    for folder in ("configs", "bench", "launch"):  # the examples run from a checkout's root
+    for folder in ("configs", "bench", "analysis", "launch"):  # the examples run from a checkout's root
         (root / folder).symlink_to(REPO / folder, target_is_directory=True)
     model = write_hf_model(root / "stand_in" / "model")
+    # enough rows for one batch of every config (train checks that at start-up: 64 prompts)
     for n in range(3, 8):
         for split in ("train", "test"):
-            write_parquet(generate_rows(n, 2, seed=n), root / "data" / "kk" / f"{n}ppl" / f"{split}.parquet")
-    kk = compact_rows(2, 4, seed=0)
+            write_parquet(generate_rows(n, 64, seed=n), root / "data" / "kk" / f"{n}ppl" / f"{split}.parquet")
+    kk = compact_rows(2, 32, seed=0)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    math_rows = pa.table({"prompt": [[{"role": "user", "content": "What is 1 + 1?"}]], "data_source": ["math_dsr"],
-                          "reward_model": [{"ground_truth": "2", "style": "rule"}]})
+    math_rows = pa.table({"prompt": [[{"role": "user", "content": f"What is {i} + 1?"}] for i in range(64)],
+                          "data_source": ["math_dsr"] * 64,
+                          "reward_model": [{"ground_truth": str(i + 1), "style": "rule"} for i in range(64)]})
     for name in ("deepscaler_uniform_train", "math500", "aime", "amc"):
         (root / "data" / "math").mkdir(parents=True, exist_ok=True)
         pq.write_table(math_rows, root / "data" / "math" / f"{name}.parquet")
+    from arlopti_jax.tasks import arith
+
+    for split, rows in zip(("train", "test"), arith.generate(64, 64)):
+        arith.write_parquet(rows, root / "data" / "arith" / f"{split}.parquet")
+    _stand_in_tokenizer(root / "data").save_pretrained(model)  # start-ups tokenize the prompts
     (root / "pairs.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "response": sft_target(r)}) + "\n"
                                               for r in kk))
     # the embedded default's start point, as ensure_start_point recognises a finished one
@@ -159,6 +166,27 @@ def world(tmp_path_factory):
     (records / "results.json").write_text(json.dumps({"runs": {"grpo/seed0": {"finished": True}}, "matched": {}}))
     return {"root": root, "model": model, "checkpoint": checkpoint, "records": records,
             "data_file": root / "data" / "kk" / "3ppl" / "train.parquet"}
+
+
+def _stand_in_tokenizer(data: Path):
+    """A byte-level BPE tokenizer trained on the stand-in data's prompts, with a chat template:
+    the prompts fit the configs' max_prompt_length as the real models' tokenizers make them fit."""
+    import pyarrow.parquet as pq
+    import transformers
+    from task_fixtures import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [m["content"] for f in sorted(data.rglob("*.parquet"))
+             for prompt in pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist() for m in prompt]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=4000, special_tokens=SPECIAL_TOKENS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+                                                chat_template=CHAT_TEMPLATE)
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -351,7 +379,7 @@ def test_example_passes_its_startup(example, world, monkeypatch, capsys):
         exec(compile(tokens[2], "<example>", "exec"), {"__name__": "__main__"})
     elif program in PYTHONS:
         check_command(tokens, world, monkeypatch, capsys)
-    elif program == ".venv/bin/pip":
+    elif program in (".venv/bin/pip", "pip"):
         extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
         for spec in tokens[2:]:
             if spec.startswith(".["):
