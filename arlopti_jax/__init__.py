@@ -31,7 +31,8 @@ def _import_jax_without_cuda_stub_lines() -> None:
     import sys
     import tempfile
 
-    if "jax" in sys.modules or os.environ.get("JAX_PLATFORMS") != "cpu" or importlib.util.find_spec("jax_plugins") is None:
+    if ("jax" in sys.modules or os.environ.get("JAX_PLATFORMS") != "cpu"
+            or importlib.util.find_spec("jax_plugins") is None):
         return
     try:
         if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:

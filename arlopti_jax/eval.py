@@ -34,7 +34,8 @@ COMMAND = Command(
     examples=(
         "python -m arlopti_jax.eval --config=configs/kk.py:3b,grpo --config.model.path=/models/Qwen2.5-3B-Instruct"
         "   # a base model",
-        "python -m arlopti_jax.eval --config=configs/kk.py:3b,grpo_ar_lopti --config.model.path=/models/Qwen2.5-3B-Instruct"
+        "python -m arlopti_jax.eval --config=configs/kk.py:3b,grpo_ar_lopti"
+        " --config.model.path=/models/Qwen2.5-3B-Instruct"
         " --checkpoint=runs/kk_3b_grpo_ar_lopti/checkpoints/120",
         "python -m arlopti_jax.eval --config.train.eval_n=8 --config.train.eval_ks=1,4,8"
         "   # the embedded default's start point: pass@k, maj@k, mean@k",

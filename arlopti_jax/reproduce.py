@@ -70,7 +70,8 @@ from pathlib import Path
 from arlopti_jax.experiments import matched
 from arlopti_jax.config.cli import startup_done
 from arlopti_jax.experiments.matched_report import write_matched_report
-from arlopti_jax.experiments.sweep import MATCHED_METHODS, PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep, base_config
+from arlopti_jax.experiments.sweep import (MATCHED_METHODS, PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep,
+                                           base_config)
 from arlopti_jax.experiments.sweep_report import mechanism, mechanism_table, summary_table, write_report
 
 

@@ -16,7 +16,8 @@ from arlopti_jax.algos.token_weights import (LoptiConfig, TokenWeightConfig, ent
                                              lopti_threshold, prepare_updates, register_token_weighting,
                                              token_weightings, weight_advantages)
 from arlopti_jax.algos.train_step import (SCHEDULES, OptimConfig, TrainStep, current_lr, init_opt_state,
-                                          make_compute_logprobs, make_optimizer, make_schedule, make_train_step, opt_state_shardings,
+                                          make_compute_logprobs, make_optimizer, make_schedule, make_train_step,
+                                          opt_state_shardings,
                                           update_on_batch)
 
 __all__ = [

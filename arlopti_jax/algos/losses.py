@@ -219,7 +219,8 @@ def aggregation_weights(response_mask, agg: str) -> np.ndarray:
     raise ValueError(f"unknown aggregation {agg!r}: allowed {list(AGG_MODES)}")
 
 
-def policy_loss(cfg: LossConfig, logp: Array, entropy: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+def policy_loss(cfg: LossConfig, logp: Array, entropy: Array,
+                batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
     """The weighted sum of the per-token loss over these tokens (a micro-batch's share of the
     mini-batch loss), and metric SUMS over its valid response tokens (the train step divides
     them by the mini-batch token count). Any shape, all arrays alike.

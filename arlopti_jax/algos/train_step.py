@@ -19,7 +19,8 @@ as their longest sequence; the model runs on the packed rows (attention within e
 sequence) and the vocabulary projection only at response positions. With ``shared_prefix`` (the
 default; ``train.shared_prefix``) the responses of one prompt that share a row share one copy of
 the prompt: a GRPO group of n costs P + n x R tokens instead of n x (P + R), with the same
-log-probs and gradients to float rounding (``packing``'s docstring). For each micro-batch a jitted function adds its gradient to an accumulator
+log-probs and gradients to float rounding (``packing``'s docstring). For each micro-batch a jitted
+function adds its gradient to an accumulator
 (donated, sharded like the params); a second one clips, applies AdamW and reports the
 metrics. Each token's loss carries its mini-batch aggregation weight
 (``losses.aggregation_weights``), so the accumulated gradient is exactly the whole

@@ -156,7 +156,8 @@ class Compiler:
             estimate_s=hlo.tpu_estimate(estimate, text) if loop_free else None,
             hlo_bytes=module.bytes(), hlo_flops=module.flops(), loop_free=loop_free,
             collectives={k: v for k, v in module.collectives().items() if v["count"]})
-        program.peak = self.resident - resident + memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+        program.peak = (self.resident - resident + memory["argument"] + memory["output"] - memory["alias"]
+                        + memory["temp"])
         if self.dump is not None:
             program.gpu = gpu_launches(folder, jitted)
         self.programs.append(program)
@@ -327,5 +328,6 @@ def does_not_fit_line(record: dict) -> str:
     resident = record["resident_bytes_per_device"]
     return (f"{record['target']}: the {peak['group']} program '{peak['name']}' needs "
             f"{record['peak_bytes_per_device'] / GIB:.1f} GiB per device, more than the "
-            f"{record['usable_bytes_per_device'] / GIB:.1f} GiB usable of {record['device_memory_bytes'] / GIB:.1f} GiB: "
+            f"{record['usable_bytes_per_device'] / GIB:.1f} GiB usable of "
+            f"{record['device_memory_bytes'] / GIB:.1f} GiB: "
             f"{advice(peak['group'], resident >= peak['peak_bytes_per_device'] - resident, peak['name'])}")

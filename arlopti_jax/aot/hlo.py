@@ -192,7 +192,8 @@ class Module:
             else:
                 total += whole
         root = body[-1] if body else None
-        roots = [self.by_name[called][o] for o in root.operands] if root is not None and root.opcode == "tuple" else [root]
+        roots = ([self.by_name[called][o] for o in root.operands] if root is not None and root.opcode == "tuple"
+                 else [root])
         for r in roots:
             if r is None:
                 continue

@@ -122,7 +122,8 @@ def devices(target: Target) -> tuple:
     try:
         if target.platform == "tpu":
             desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
-                                                chip_config_name=target.chip_config, chips_per_host_bounds=target.chips_per_host,
+                                                chip_config_name=target.chip_config,
+                                                chips_per_host_bounds=target.chips_per_host,
                                                 num_slices=1, wrap=(False, False, False))
         else:
             desc = topologies.get_topology_desc(platform="cuda", target_config=SPECS.read_text(),

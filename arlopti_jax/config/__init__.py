@@ -40,7 +40,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.run_dir = "runs/run"
     c.seed = 42
     c.resume = "auto"  # auto | none | a checkpoint step folder
-    c.compile_cache_dir = "~/.cache/arlopti_jax/jax"  # JAX's persistent compilation cache (arlopti_jax.runtime.compile_cache)
+    # JAX's persistent compilation cache (arlopti_jax.runtime.compile_cache)
+    c.compile_cache_dir = "~/.cache/arlopti_jax/jax"
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # local Hugging Face folder; "" = the embedded tiny start point

@@ -288,7 +288,8 @@ def run(args, sizes: dict | None) -> int:
 def add_arguments(ap) -> None:
     """reproduce's flags of the protocol."""
     ap.add_argument("--matched", action="store_true",
-                    help="the step-matched protocol (arlopti_jax/experiments/matched.py): every method makes the same optimizer "
+                    help="the step-matched protocol (arlopti_jax/experiments/matched.py): "
+                         "every method makes the same optimizer "
                          "steps per RL step and runs at its best learning rate of --lr-grid on a validation split of "
                          "the training problems; default variants: " + ",".join(MATCHED_METHODS) + ", seeds "
                          + COMPARISON_SEEDS + "; writes OUT/matched.md")

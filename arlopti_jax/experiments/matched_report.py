@@ -145,7 +145,8 @@ def protocol(results: dict) -> list[str]:
         "per test set.",
         "",
         f"**What was not.** Each method's learning rate is its best of the grid {[f'{x:g}' for x in grid]}{beyond} "
-        f"by final validation {metric} (mean over grid seeds {matched.get('grid_seeds')}; ties: greedy accuracy, then the "
+        f"by final validation {metric} (mean over grid seeds {matched.get('grid_seeds')}; "
+        "ties: greedy accuracy, then the "
         "lower rate), on the validation split, never the test set"
         + (f"; fixed by --lr: {matched['fixed_lr']}" if matched.get("fixed_lr") else "") + ".",
     ]

@@ -111,7 +111,8 @@ def plot_mechanism(results: dict, out: Path) -> Path | None:
         axes[0].bar(quartiles + j * width, mech[variant]["grad_norms"], width, label=VARIANTS[variant][0])
     axes[0].set(title="gradient norm per pi_old quartile (mean over steps and seeds)",
                 xticks=quartiles + 0.4 - width / 2, xticklabels=["q1 (lowest)", "q2", "q3", "q4 (highest)"])
-    grpo = mech.get("grpo", {}).get("isolation") or next((m["isolation"] for m in mech.values() if m["isolation"]), None)
+    grpo = (mech.get("grpo", {}).get("isolation")
+            or next((m["isolation"] for m in mech.values() if m["isolation"]), None))
     if grpo is not None:
         for i, case in enumerate(("update q1 only", "update q4 only")):
             axes[1].bar(quartiles + i * 0.4, grpo[i], 0.4, label=case)

@@ -97,7 +97,8 @@ class ModelConfig:
         archs = hf.get("architectures") or [hf.get("model_type", "?")]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"config.json architectures={archs}: unsupported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"config.json architectures={archs}: unsupported; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act={act!r}: only 'silu' is supported")

@@ -131,7 +131,8 @@ def _causal_blocks(q: Array, k: Array, v: Array, mask: Array, scale: float) -> A
     probabilities and the softmax's intermediates.
 
     Forward and backward against autodiff through the same blocks (measured on 2026-11-26 with the
-    since-removed bench/attention_blocks.py; docs/measurements/journal.md): on the CPU in float32, 2 rows of 640 (2 blocks) 9.7 ms against 24.3, 1
+    since-removed bench/attention_blocks.py; docs/measurements/journal.md): on the CPU in float32,
+    2 rows of 640 (2 blocks) 9.7 ms against 24.3, 1
     row of 1,536 (6 blocks) 125 against 212, 8 rows of 320 (1 block) 77 against 78, SmolLM2's
     whole layer stack 1.09-1.18x faster; XLA:TPU's estimate of a 3B layer at 4,544 tokens, 22.2 ms
     against 27.0. Smaller blocks run faster on the CPU but every block adds to the

@@ -49,7 +49,8 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     """'name' or 'name==version' -> (name, version or the pin, if any)."""
     name, sep, version = spec.partition("==")
     name, version = name.strip(), version.strip()
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or (sep and not re.fullmatch(r"[A-Za-z0-9.+!_-]+", version)):
+    if (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)
+            or (sep and not re.fullmatch(r"[A-Za-z0-9.+!_-]+", version))):
         raise PackageError(f"--package {spec!r}: expected NAME or NAME==VERSION")
     return name, version or PINS.get(name.lower())
 

@@ -315,12 +315,15 @@ class Sampler:
         div = self.devices
         b = batch_rows(prompts, sampling, div)
         p, r = bucket(longest, sampling.prompt_bucket), sampling.max_response_len
-        rows2, rows1, rep = shd.batch_sharding(self.mesh, 2), shd.batch_sharding(self.mesh, 1), shd.replicated(self.mesh)
+        rows2, rows1, rep = (shd.batch_sharding(self.mesh, 2), shd.batch_sharding(self.mesh, 1),
+                             shd.replicated(self.mesh))
         spec = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        ids, live, stops = spec((b, p), jnp.int32, rows2), spec((b,), jnp.bool_, rows1), spec((b * n,), jnp.int32, rows1)
+        ids, live, stops = (spec((b, p), jnp.int32, rows2), spec((b,), jnp.bool_, rows1),
+                            spec((b * n,), jnp.int32, rows1))
         key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep)
         eos = eos_width(sampling)
-        temperature, top_p, eos_ids = spec((), jnp.float32, rep), spec((), jnp.float32, rep), spec((eos,), jnp.int32, rep)
+        temperature, top_p, eos_ids = (spec((), jnp.float32, rep), spec((), jnp.float32, rep),
+                                       spec((eos,), jnp.int32, rep))
         ends, kernel = sampling.phase_ends(), sampling.kernel_key
         with shd.activate(self.mesh, self.rules):
             if self._cast is not None:
@@ -334,7 +337,8 @@ class Sampler:
                 compile(f"decode rows={first} slots={p + r}", self._decode, params, start, *step_args, kernel=kernel)
                 return
             # rows per device: the batch's, then the powers of two below it down to min_rows
-            buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length())) if 1 << i >= sampling.min_rows]
+            buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length()))
+                                 if 1 << i >= sampling.min_rows]
             full = {name: getattr(start, name) for name in OUTPUTS}
             states = {(first, 0): start}
             for phase, end in enumerate(ends):  # as decode meets them: phases up, rows down

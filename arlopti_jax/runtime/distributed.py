@@ -244,7 +244,7 @@ def gather(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
         a = np.asarray(a)
         dtype = a.dtype
         width = int(counts[:, i].max())
-        padded = np.zeros((width,) + a.shape[1:], np.int32 if dtype == bool else dtype)
+        padded = np.zeros((width,) + a.shape[1:], np.int32 if dtype == np.dtype(bool) else dtype)
         padded[: len(a)] = a
         stacked = _allgather(padded)  # [P, width, ...]
         out.append(np.concatenate([stacked[p, : counts[p, i]] for p in range(len(counts))]).astype(dtype))

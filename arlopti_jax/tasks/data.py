@@ -61,7 +61,8 @@ def resolve_data_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
         if p.is_dir():
             found = sorted(f for f in p.iterdir() if f.suffix in DATA_SUFFIXES and f.is_file())
             if not found:
-                below = "; sub-folders are not searched: name their files" if any(f.is_dir() for f in p.iterdir()) else ""
+                below = ("; sub-folders are not searched: name their files"
+                         if any(f.is_dir() for f in p.iterdir()) else "")
                 raise FileNotFoundError(f"no *.parquet or *.jsonl files in folder {p}{below}")
             files += found
         elif p.is_file():

@@ -59,7 +59,8 @@ _CONSTANTS = frozenset("""pi infty alpha beta gamma delta epsilon varepsilon zet
     Psi Omega""".split())
 _BINOMS = ("\\binom", "\\dbinom", "\\tbinom")
 _TOKEN = re.compile(r"\\[a-zA-Z]+|\\.|[0-9]+(?:\.[0-9]*)?|\.[0-9]+|\S", re.DOTALL)
-_DERIVATIVE = re.compile(r"\\[dtc]?frac\s*\{\s*(?:\\math[a-z]+\s*\{\s*)?d\s*[a-zA-Z]?\s*\}")  # \frac{d}{dx}, \frac{dy}{dx}
+# \frac{d}{dx}, \frac{dy}{dx}
+_DERIVATIVE = re.compile(r"\\[dtc]?frac\s*\{\s*(?:\\math[a-z]+\s*\{\s*)?d\s*[a-zA-Z]?\s*\}")
 _OPEN, _CLOSE = {"{": "}", "(": ")", "[": "]", "\\{": "\\}"}, {"}", ")", "]", "\\}"}
 _SUM_SIGNS = {"+", "-", "\\pm", "\\mp"}
 _LOG2 = math.log10(2)

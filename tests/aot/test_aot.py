@@ -177,9 +177,11 @@ ENTRY %main (w: bf16[1,112,28,128], a: s32[1,64], b: f32[16,1024], g: f32[1024,1
   %b = f32[16,1024]{1,0} parameter(2)
   %g = f32[1024,128]{0,1} parameter(3)
   %r = f32[2184]{0} parameter(4)
-  %cp = (bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%w), channel_id=9, source_target_pairs={{0,1},{1,0}}
+  %cp = (bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)}, u32[]{:S(2)}, \
+u32[]{:S(2)}) collective-permute-start(%w), channel_id=9, source_target_pairs={{0,1},{1,0}}
   %cpd = bf16[1,112,28,128]{3,1,0,2:T(8,128)(2,1)} collective-permute-done(%cp)
-  %ag = ((s32[1,64]{1,0}, f32[16,1024]{1,0}), (s32[8,64]{1,0}, f32[128,1024]{1,0})) all-gather-start(%a, %b), dimensions={0}
+  %ag = ((s32[1,64]{1,0}, f32[16,1024]{1,0}), (s32[8,64]{1,0}, f32[128,1024]{1,0})) all-gather-start(%a, %b), \
+dimensions={0}
   %agd = (s32[8,64]{1,0}, f32[128,1024]{1,0}) all-gather-done(%ag)
   %rs = ((f32[1024,128]{0,1}), f32[1024,16]{0,1}) reduce-scatter-start(%g), dimensions={1}
   %rsd = f32[1024,16]{0,1} reduce-scatter-done(%rs)
@@ -284,7 +286,8 @@ ENTRY %main (a: f32[8,16]) -> (s32[], f32[8,16]) {
   %a = f32[8,16]{1,0} parameter(0)
   %zero = s32[] constant(0)
   %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %a)
-  ROOT %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"5"}}
 }
 """
     assert hlo.Module(loop).flops() == 5 * 2 * 8 * 16 * 16

@@ -15,7 +15,8 @@ import pytest
 
 from arlopti_jax.experiments import matched
 from arlopti_jax.experiments import sweep
-from arlopti_jax.experiments.matched_report import accuracy_table, grid_table, paired_table, quartile_table, write_matched_report
+from arlopti_jax.experiments.matched_report import (accuracy_table, grid_table, paired_table, quartile_table,
+                                                    write_matched_report)
 from arlopti_jax.rl.run_setup import optimizer_steps_per_rl_step
 
 

@@ -53,10 +53,12 @@ def math_answer(rng: random.Random) -> str:
     if kind == 1:  # large powers
         base = rng.choice(("2", "10", "9", "x", "e", "\\pi", "(x+1)", "(x+y+z)", "(1+\\sqrt{2})", "(-1)"))
         exponent = rng.choice((str(rng.randint(2, 40)), str(rng.randint(100, 5000)), str(10 ** rng.randint(3, 9)),
-                               f"10^{{{rng.randint(2, 12)}}}", "n", "2n+1", f"{rng.randint(1, 9)}\\cdot 10^{{{rng.randint(1, 6)}}}"))
+                               f"10^{{{rng.randint(2, 12)}}}", "n", "2n+1",
+                               f"{rng.randint(1, 9)}\\cdot 10^{{{rng.randint(1, 6)}}}"))
         return f"{base}^{{{exponent}}}"
     if kind == 2:  # factorials and binomials
-        n = rng.choice((rng.randint(0, 20), rng.randint(100, 500), rng.randint(1000, 10 ** 7), 10 ** rng.randint(6, 30)))
+        n = rng.choice((rng.randint(0, 20), rng.randint(100, 500), rng.randint(1000, 10 ** 7),
+                        10 ** rng.randint(6, 30)))
         return rng.choice((f"{n}!", f"({n})!", f"{n}!!", f"\\binom{{{n}}}{{{max(1, n // 2)}}}", f"\\frac{{{n}!}}{{2}}",
                            f"(10^{{{rng.randint(1, 8)}}})!"))
     if kind == 3:  # deep nesting
@@ -74,7 +76,8 @@ def math_answer(rng: random.Random) -> str:
         return "".join(rng.choice(SOUP) for _ in range(rng.randint(1, 150)))
     if kind == 7:  # huge literals
         return rng.choice(("9" * rng.randint(20, 3000), "0." + "0" * rng.randint(10, 900) + "1",
-                           f"1e{rng.randint(10, 10 ** 6)}", "1" + "0" * rng.randint(100, 2000), "-" * rng.randint(1, 500)))
+                           f"1e{rng.randint(10, 10 ** 6)}", "1" + "0" * rng.randint(100, 2000),
+                           "-" * rng.randint(1, 500)))
     if kind == 8:  # functions of huge arguments
         inner = rng.choice((f"10^{{{rng.randint(10, 3000)}}}", f"2^{{{rng.randint(10, 9000)}}}", "9^{9^{9}}", "x"))
         return rng.choice(("\\sin", "\\cos", "\\ln", "\\sqrt", "\\tan", "e^")) + f"{{{inner}}}"

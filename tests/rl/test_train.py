@@ -81,7 +81,8 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
 
     # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
     values["run_dir"] = str(tmp_path / "b")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "helpers"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "helpers"),
+                                                        os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     wait_for(lambda: (tmp_path / "b" / "checkpoints" / "2" / "commit_success.txt").exists(), proc)
     proc.send_signal(signal.SIGKILL)
@@ -132,10 +133,13 @@ def test_damaged_checkpoint_is_skipped_with_warning(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--config.algo.lopti_etaa=0.5"], "error: config.algo.lopti_etaa is not a config field; did you mean config.algo.lopti_eta?"),
+    (["--config.algo.lopti_etaa=0.5"],
+     "error: config.algo.lopti_etaa is not a config field; did you mean config.algo.lopti_eta?"),
     (["--config.algo.lopti_eta=1.5"], "error: config.algo.lopti_eta=1.5 is invalid: must be in [-1, 1]"),
-    (["--config.train.micro_batch=4"], "error: config.train.micro_batch=4 is invalid: must be divisible by the mesh's data x fsdp = 8"),
-    (["--config.algo.weighting=arr"], "error: config.algo.weighting='arr' is invalid: allowed values are ['none', 'ar', 'tr']"),
+    (["--config.train.micro_batch=4"],
+     "error: config.train.micro_batch=4 is invalid: must be divisible by the mesh's data x fsdp = 8"),
+    (["--config.algo.weighting=arr"],
+     "error: config.algo.weighting='arr' is invalid: allowed values are ['none', 'ar', 'tr']"),
 ])
 def test_invalid_config_fails_with_one_line(args, expected):
     proc = subprocess.run([sys.executable, "-m", "arlopti_jax.train", *args], capture_output=True, text=True,
@@ -150,7 +154,8 @@ def test_invalid_config_fails_with_one_line(args, expected):
                                           ("arlopti_jax.eval", "model.path")])
 def test_a_missing_path_is_one_error_line(start_point, tmp_path, module, field):
     missing = tmp_path / "nowhere" / "test.parquet"
-    values = overrides(start_point, tmp_path / "run", **{"data.test_files": str(start_point / "data" / "test_2ppl.parquet")})
+    values = overrides(start_point, tmp_path / "run",
+                       **{"data.test_files": str(start_point / "data" / "test_2ppl.parquet")})
     values["model.path" if field == "model.path" else f"data.{field}"] = str(missing)
     proc = subprocess.run([sys.executable, "-m", module, *[f"--config.{k}={v}" for k, v in values.items()]],
                           capture_output=True, text=True, timeout=120)
@@ -193,7 +198,8 @@ def test_export_and_eval_clis(start_point, tmp_path):
 
     # evaluation needs no training files, and keeps its responses too
     standalone = {**values, "data.train_files": ""}
-    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.eval", *[f"--config.{k}={v}" for k, v in standalone.items()],
+    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.eval",
+                           *[f"--config.{k}={v}" for k, v in standalone.items()],
                            f"--checkpoint={tmp_path / 'e' / 'checkpoints' / '2'}"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

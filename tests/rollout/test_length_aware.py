@@ -119,7 +119,8 @@ def test_length_aware_on_8_devices_equals_dense_on_one(folder, policy, layout):
     batch = sampler.pad_prompts(PROMPTS, sampling)
     done = sampler.decode(params, sampler.start(params, batch, N, jax.random.key(8), sampling, STOPS),
                           jax.random.key(8), sampling)
-    assert done.loops[0][0] == batch.ids.shape[0] * N // shd.batch_divisor(mesh) and done.loops[-1][0] < done.loops[0][0]  # per device
+    assert (done.loops[0][0] == batch.ids.shape[0] * N // shd.batch_divisor(mesh)  # per device
+            and done.loops[-1][0] < done.loops[0][0])
     got = sampler.generate(params, PROMPTS, N, jax.random.key(8), sampling, stop_at=STOPS)
     _assert_same(got, want)
 
@@ -198,7 +199,8 @@ def test_two_processes_equal_one(tmp_path):
     """2 processes x 4 devices (launch/local.sh): each samples its share of the prompts; the
     length-aware and dense samplers agree there, and the rows equal one process's 8 devices."""
     env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO),
+                                          os.environ.get("PYTHONPATH", "")])}
     cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_sampler",
            "--logs", str(tmp_path / "logs"), "--", f"--out={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -58,7 +58,8 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):
     two = tmp_path / "two"
     flags = [f"--config.{k}={v}" for k, v in {**values, "run_dir": str(two)}.items()]
     env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO),
+                                          os.environ.get("PYTHONPATH", "")])}
     cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--logs", str(tmp_path / "logs"),
            "--", *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -97,7 +98,8 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):
 
 def test_collectives_on_two_processes(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO),
+                                          os.environ.get("PYTHONPATH", "")])}
     cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_checks",
            "--logs", str(tmp_path / "logs"), "--", f"--checkpoints={tmp_path / 'ck'}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -138,7 +140,8 @@ def test_cluster_settings_from_config_and_slurm(monkeypatch):
     assert (slurm["num_processes"], slurm["process_id"], slurm["local_device_ids"]) == (4, 3, [1])
     bound = dist.cluster_settings(_config(), {**SLURM, "CUDA_VISIBLE_DEVICES": "1"})  # --gpus-per-task=1
     assert "local_device_ids" not in bound
-    one_per_node = dist.cluster_settings(_config(coordinator="head:5000"), {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x4)"})
+    one_per_node = dist.cluster_settings(_config(coordinator="head:5000"),
+                                         {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x4)"})
     assert one_per_node["coordinator_address"] == "head:5000" and "local_device_ids" not in one_per_node
     with pytest.raises(ConfigError, match=r"config.distributed.process_id=2 is invalid"):
         dist.cluster_settings(_config(coordinator="h:1", num_processes=2, process_id=2), {})

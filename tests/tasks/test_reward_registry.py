@@ -226,7 +226,8 @@ def test_compute_score_from_unguarded_script_and_stdin(how, tmp_path):
 
 def test_reward_defined_in_unguarded_main_says_what_to_do(tmp_path):
     user_fn = "def my_reward(source, text, truth, extra=None):\n    return 1.0\n"
-    call = "from arlopti_jax.tasks import score_batch\nscore_batch(my_reward, ['x'] * 8, ['s'] * 8, [None] * 8, num_workers=1)\n"
+    call = ("from arlopti_jax.tasks import score_batch\n"
+            "score_batch(my_reward, ['x'] * 8, ['s'] * 8, [None] * 8, num_workers=1)\n")
     script = tmp_path / "mine.py"
     script.write_text(user_fn + call)
     proc = _run_python([str(script)])
