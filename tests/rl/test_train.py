@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -15,7 +14,6 @@ import pytest
 
 from arlopti_jax.rl import run_setup
 from arlopti_jax.store.checkpoint import Checkpointer
-from arlopti_jax.embedded.default import get_config
 from arlopti_jax.train import train
 
 from run_fixtures import TIMING, cli, make_config, overrides, step_metrics, wait_for  # noqa: F401
