@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 
+from arlopti_jax.runtime import chips
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.rl import run_setup
 from arlopti_jax.config.cli import Command, startup_done
@@ -50,6 +51,7 @@ def main(argv) -> int:
     config = flags.FLAGS.config
     try:
         dist.initialize(config)  # several processes: every one runs this command
+        chips.print_backend()
         validate(config, jax.device_count())
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

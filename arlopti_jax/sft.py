@@ -73,6 +73,7 @@ COMMAND = Command(
 def main(argv) -> int:
     from absl import flags
 
+    from arlopti_jax.runtime import chips
     from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import load_pretrained, save_pretrained
     from arlopti_jax.finetune.supervised import batch_schedule, read_pairs, tokenize_pairs, train_sft
@@ -83,6 +84,7 @@ def main(argv) -> int:
     if cfg.tiny:
         from arlopti_jax.embedded.start_point import ensure_start_point
 
+        chips.print_backend()
         startup_done(COMMAND.name)
         ensure_start_point(out, seed=cfg.seed)
         print(f"start point written to {out}")
@@ -111,6 +113,7 @@ def main(argv) -> int:
         print(f"error: config.train.batch={cfg.train.batch}: config.data.files ({cfg.data.files}): {err}",
               file=sys.stderr)
         return 2
+    chips.print_backend()
     startup_done(COMMAND.name)
     mesh = shd.make_mesh({"fsdp": -1})
     model_cfg, params = load_pretrained(cfg.model.path, mesh=mesh, dtype=cfg.model.dtype,

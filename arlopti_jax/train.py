@@ -18,6 +18,7 @@ import sys
 
 import jax
 
+from arlopti_jax.runtime import chips
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.rl import run_setup
 from arlopti_jax.config.cli import Command, startup_done
@@ -47,6 +48,7 @@ def main(argv) -> int:
         dist.initialize(config)  # before any JAX computation; a no-op for a single process
         if jax.process_index() != 0:  # process 0 alone prints
             logging.getLogger().setLevel(logging.WARNING)
+        chips.print_backend()  # what it runs on, before anything is built
         validate(config, jax.device_count())
         dist.validate(config, run_setup.make_mesh(config))
         # a missing path, a resume setting run_dir contradicts, unreadable data or a training set that

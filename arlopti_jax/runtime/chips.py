@@ -1,4 +1,5 @@
-"""The accelerators this project knows: peak dense bf16 FLOP/s per chip, and MFU against it."""
+"""The accelerators this project knows: peak dense bf16 FLOP/s per chip, MFU against it, and the
+one line that names the backend and devices a command runs on (``describe_devices``)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,27 @@ def mfu(num_params: int, tokens: int, seconds: float, flops_per_token_factor: fl
     if peak is None or seconds <= 0:
         return None
     return flops_per_token_factor * num_params * tokens / seconds / (peak * jax.device_count())
+
+
+def describe_devices(devices=None) -> str:
+    """One line naming the backend and the devices a command runs on, e.g. ``backend: gpu, 1 x
+    NVIDIA H200 (jax 0.11.2)`` or ``backend: cpu, 8 devices (jax 0.11.2)``; with several processes,
+    over how many. ``devices``: every device (``jax.devices()``) when None."""
+    from collections import Counter
+
+    devices = jax.devices() if devices is None else list(devices)
+    platform = devices[0].platform
+    if platform == "cpu":
+        what = f"{len(devices)} device{'s' if len(devices) != 1 else ''}"
+    else:
+        what = ", ".join(f"{count} x {kind}" for kind, count in Counter(d.device_kind for d in devices).items())
+    processes = len({d.process_index for d in devices})
+    over = f" over {processes} processes" if processes > 1 else ""
+    return f"backend: {platform}, {what}{over} (jax {jax.__version__})"
+
+
+def print_backend() -> None:
+    """Print ``describe_devices()`` from process 0 (the others print nothing): train, eval and
+    sft say at start-up what they run on."""
+    if jax.process_index() == 0:
+        print(describe_devices(), flush=True)
