@@ -52,7 +52,7 @@ def main(argv) -> int:
     try:
         dist.initialize(config)  # several processes: every one runs this command
         chips.print_backend()
-        validate(config, jax.device_count())
+        validate(config, jax.device_count(), jax.default_backend())
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -49,7 +49,7 @@ def main(argv) -> int:
         if jax.process_index() != 0:  # process 0 alone prints
             logging.getLogger().setLevel(logging.WARNING)
         chips.print_backend()  # what it runs on, before anything is built
-        validate(config, jax.device_count())
+        validate(config, jax.device_count(), jax.default_backend())
         dist.validate(config, run_setup.make_mesh(config))
         # a missing path, a resume setting run_dir contradicts, unreadable data or a training set that
         # cannot fill one batch stops here, in one line

@@ -211,7 +211,7 @@ def prepare(config, target: Target):
     from arlopti_jax.config import validate
 
     devices = targets.devices(target)
-    validate(config, len(devices))
+    validate(config, len(devices), target.platform)  # cuDNN attention for an H100 compiles here
     mesh = run_setup.make_mesh(config, devices=list(devices))
     dist.validate(config, mesh)
     return mesh, model_shape(config)

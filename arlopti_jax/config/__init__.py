@@ -313,10 +313,15 @@ def _choice(c, field: str, allowed) -> None:
     _check(value in allowed, field, value, f"allowed values are {list(allowed)}")
 
 
-def validate(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-    """Raise ConfigError (one line, naming the field) for any invalid value."""
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platform: str | None = None) -> None:
+    """Raise ConfigError (one line, naming the field) for any invalid value. ``num_devices`` and
+    ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``: what the programs are compiled for, this machine's
+    ``jax.default_backend()`` or ``aot``'s target's) check the fields that depend on them."""
     for field, allowed in choices().items():
         _choice(c, field, allowed)
+    _check(platform is None or c.model.attention != "cudnn" or platform == "gpu", "model.attention",
+           c.model.attention, f"cuDNN's fused attention runs only on a GPU, and this runs on {platform} "
+           "(use 'auto' or 'xla')")
     _check(c.model.attention != "cudnn" or c.model.dtype == "bfloat16", "model.attention", c.model.attention,
            "cuDNN's fused attention needs model.dtype='bfloat16' ('auto' falls back to XLA by itself)")
     _check(0.0 <= c.algo.ar_alpha <= 1.0, "algo.ar_alpha", c.algo.ar_alpha, "must be in [0, 1]")

@@ -80,3 +80,18 @@ def test_cispo_with_the_sequence_ratio_is_one_rule():
     with pytest.raises(ValueError) as raised:
         algos.LossConfig(mode="cispo", ratio_level="sequence")
     assert str(raised.value) == f"LossConfig.ratio_level='sequence': {rule}"
+
+
+def test_cudnn_attention_is_checked_against_the_platform():
+    """validate's platform: this machine's backend for train and eval, the target's for aot (which
+    compiles cuDNN's attention for an H100 on a CPU machine)."""
+
+    c = base_config()
+    c.model.attention, c.model.dtype = "cudnn", "bfloat16"
+    validate(c)  # no platform: not checked
+    validate(c, 1, "gpu")
+    for platform in ("cpu", "tpu"):
+        with pytest.raises(ConfigError, match=rf"config.model.attention='cudnn' is invalid: .* runs on {platform}"):
+            validate(c, 1, platform)
+    c.model.attention = "auto"  # picks per backend by itself
+    validate(c, 1, "cpu")

@@ -120,3 +120,21 @@ def test_reproduce_matched_checks_its_learning_rates_at_start_up(args, message, 
                               timeout=600)
         assert proc.returncode == 2 and message in _one_error_line(proc.stderr), (check, proc.stderr[-2000:])
         assert not (tmp_path / "start_point").exists()
+
+
+@pytest.mark.parametrize("command", ["arlopti_jax.train", "arlopti_jax.eval"])
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_cudnn_attention_without_a_gpu_is_one_line_at_start_up(command, dtype, tmp_path):
+    """model.attention=cudnn where no GPU runs (the CPU here) stops before anything is built or
+    compiled, naming the field and the backend; the backend line came first, on stdout. (sft takes no
+    model.attention: its model compiles with the default, 'auto'.)"""
+    args = [sys.executable, "-m", command, "--config.model.attention=cudnn", f"--config.run_dir={tmp_path / 'run'}"]
+    args += [f"--config.model.dtype={dtype}"] if dtype else []
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, STARTUP_CHECK_ENV: "1", "JAX_PLATFORMS": "cpu"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith("error: config.model.attention='cudnn' is invalid: cuDNN's fused attention runs only "
+                                "on a GPU, and this runs on cpu"), errors[0]
+    assert proc.stdout.startswith("backend: cpu, ") and "start-up check passed" not in proc.stdout
+    assert not (tmp_path / "start_point").exists()  # stopped before the embedded start point's build
