@@ -1,6 +1,6 @@
 """The RL trainer: sample -> reward -> advantage -> token weights -> (Lopti) updates.
 
-    python -m arlopti_jax.train                                   # the embedded CPU default
+    python -m arlopti_jax.train                                   # the embedded default (CPU, GPU or TPU)
     python -m arlopti_jax.train --config=configs/kk.py:3b,grpo_ar_lopti \\
         --config.model.path=/ckpt/Qwen2.5-3B-Instruct --config.data.train_files=data/kk/3ppl/train.parquet
 

@@ -17,7 +17,7 @@ from arlopti_jax import algos
 from arlopti_jax.models.config import ATTENTION_IMPLS
 from arlopti_jax.tasks.data import PROMPT_STYLES
 
-# The config file the train and eval commands use without --config: the embedded CPU default.
+# The config file the train and eval commands use without --config: the embedded default (numerics per backend).
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "embedded" / "default.py")
 LOPTI_SPLITS = ("threshold", "quantile")  # config's own: algos takes LoptiConfig(quantile=...)
 DTYPES = ("float32", "bfloat16")
@@ -175,7 +175,9 @@ FIELD_DOCS = {
     "model.attention": "training and prefill attention: 'auto' (cuDNN's fused kernel on a GPU with a 16-bit "
                        "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
     "model.unroll_layers": "layers as straight-line code instead of a scanned loop in the training passes: faster "
-                           "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py)",
+                           "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py); "
+                           "on a GPU or TPU scan against unroll is not yet measured (the embedded default unrolls its "
+                           "4 layers there too, by the compiler's figures: embedded/default.py)",
     "model.logprob_chunk": "targets per packed row in each vocabulary-projection chunk (no [B, T, V] tensor is held; "
                            "up to 64 MiB of target logits per device are projected in one piece)",
     "data.train_files": "comma-separated parquet/jsonl files or folders",

@@ -97,7 +97,8 @@ def help_text(command: Command, argv: list[str]) -> str:
            + "".join(f" [{flag.split('=')[0]}=...]" for flag, _ in command.flags), "", command.doc.strip(), ""]
     if command.default_file is not None:
         out += [wrap("Config files (--config=FILE[:ARG]; ARG is passed to the file's get_config). Without "
-                     "--config: arlopti_jax/embedded/default.py, the embedded CPU default.", ""), *_config_files(), ""]
+                     "--config: arlopti_jax/embedded/default.py, the embedded default (its numerics follow this "
+                     "machine's backend: the values below are this machine's).", ""), *_config_files(), ""]
     example = ("--config.train.max_steps=10, --config.algo.filter_groups=True, --config.train.eval_ks=1,4,8 "
                "(a tuple)" if command.default_file is not None else "--config.train.steps=100, --config.tiny=True")
     out += [wrap(f"Overriding a field: --config.GROUP.FIELD=VALUE, e.g. {example}. An unknown field or an invalid "

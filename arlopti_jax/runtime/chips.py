@@ -1,7 +1,9 @@
-"""The accelerators this project knows: peak dense bf16 FLOP/s per chip, MFU against it, and the
-one line that names the backend and devices a command runs on (``describe_devices``)."""
+"""The accelerators this project knows: peak dense bf16 FLOP/s per chip, MFU against it, the
+backend a command runs on (``backend``) and the one line that names it (``describe_devices``)."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 
@@ -26,6 +28,20 @@ def mfu(num_params: int, tokens: int, seconds: float, flops_per_token_factor: fl
     if peak is None or seconds <= 0:
         return None
     return flops_per_token_factor * num_params * tokens / seconds / (peak * jax.device_count())
+
+
+def backend() -> str:
+    """The platform this process's programs run on, as ``jax.default_backend()`` names it
+    (``"cpu"``, ``"gpu"``, ``"tpu"``), for choosing defaults when a config is loaded. Where
+    ``JAX_PLATFORMS`` lists the platforms (``cuda``, ``tpu,cpu``, ...) the first one is the answer and
+    no backend starts, so ``jax.distributed.initialize`` can still follow (a multi-process run of the
+    embedded default: set ``JAX_PLATFORMS``); otherwise ``jax.default_backend()`` starts the default
+    backend, the one the command would start next anyway, and no other."""
+    listed = [p.strip() for p in (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(",")]
+    first = next((p for p in listed if p), "")
+    if first:
+        return "gpu" if first in ("cuda", "rocm", "gpu") else first
+    return jax.default_backend()
 
 
 def describe_devices(devices=None) -> str:

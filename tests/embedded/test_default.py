@@ -33,3 +33,25 @@ def test_reward_trend_in_standard_errors():
     assert (first, last) == (pytest.approx(1 / 3), pytest.approx(11 / 3))
     assert z == pytest.approx((11 / 3 - 1 / 3) / se)
     assert reward_trend([1.0] * 7) is None  # too few steps for two quarters of 2
+
+
+@pytest.mark.parametrize("backend, numerics", [
+    ("cpu", dict(dtype="float32", param_dtype="float32", attention="auto", remat=False, unroll_layers=True)),
+    ("gpu", dict(dtype="bfloat16", param_dtype="float32", attention="cudnn", remat=False, unroll_layers=True)),
+    ("tpu", dict(dtype="bfloat16", param_dtype="float32", attention="xla", remat=False, unroll_layers=True)),
+])
+def test_the_default_numerics_follow_the_backend(monkeypatch, backend, numerics):
+    """The embedded default under a faked backend: on the CPU exactly the values its accuracy gain was
+    measured with; on a GPU or TPU bfloat16 compute on float32 weights (cuDNN's attention on a GPU).
+    Nothing else differs, and each is a valid config for its platform."""
+    from arlopti_jax.config import DEFAULT_CONFIG, load_config_file, validate
+    from arlopti_jax.runtime import chips
+
+    monkeypatch.setattr(chips, "backend", lambda: backend)
+    c = load_config_file(DEFAULT_CONFIG)
+    assert {k: c.model[k] for k in numerics} == numerics
+    validate(c, 1, backend)
+    monkeypatch.setattr(chips, "backend", lambda: "cpu")
+    cpu = load_config_file(DEFAULT_CONFIG)
+    cpu.model.update(numerics)
+    assert cpu == c

@@ -1,5 +1,6 @@
-"""What a command says it runs on: ``chips.describe_devices()``, the start-up line of train, eval
-and sft, printed from process 0 only."""
+"""What a command says it runs on: ``chips.backend()`` (the platform, read from JAX_PLATFORMS
+without starting a backend where it is set) and ``chips.describe_devices()`` (the start-up line of
+train, eval and sft), printed from process 0 only."""
 
 import dataclasses
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from arlopti_jax.config.cli import STARTUP_CHECK_ENV
 from arlopti_jax.runtime import chips
@@ -38,6 +40,25 @@ def test_only_process_0_prints_the_backend_line(monkeypatch, capsys):
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     chips.print_backend()
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("listed, platform", [("cuda", "gpu"), ("cuda,cpu", "gpu"), ("rocm", "gpu"), ("tpu", "tpu"),
+                                               ("cpu", "cpu"), (" tpu , cpu", "tpu")])
+def test_jax_platforms_names_the_backend_without_starting_one(monkeypatch, listed, platform):
+    monkeypatch.setenv("JAX_PLATFORMS", listed)
+    monkeypatch.setattr(jax, "default_backend", lambda: pytest.fail("a backend was started"))
+    assert chips.backend() == platform
+
+
+def test_without_jax_platforms_the_backend_is_jax_default(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    before = jax.config.jax_platforms  # read from JAX_PLATFORMS at import: this session's "cpu"
+    jax.config.update("jax_platforms", None)
+    try:
+        assert chips.backend() == "tpu"
+    finally:
+        jax.config.update("jax_platforms", before)
 
 
 def test_sft_prints_the_backend_line_at_start_up(tmp_path):
