@@ -148,16 +148,20 @@ def backend_line() -> str:
 
 # ---------------------------------------------------------------- compiles and time
 class CompileCounter(logging.Handler):
-    """The XLA compilations jax logs (``jax_log_compiles``), by program name."""
+    """The XLA compilations jax logs (``jax_log_compiles``), by program name, and their seconds
+    (a persistent-cache hit counts as one, with the seconds it took to load)."""
 
     def __init__(self):
         super().__init__()
         self.names: list[str] = []
+        self.seconds = 0.0
 
     def emit(self, record):
         msg = record.getMessage()
         if msg.startswith("Finished XLA compilation"):
-            self.names.append(msg.split(" of ", 1)[-1].split(" in ")[0])
+            name, _, took = msg.split(" of ", 1)[-1].rpartition(" in ")
+            self.names.append(name)
+            self.seconds += float(took.split()[0]) if took.split() else 0.0
 
     @property
     def count(self) -> int:

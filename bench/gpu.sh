@@ -2,6 +2,9 @@
 # The GPU measurements of docs/measurements/journal.md, in the groups one lease runs per command.
 #
 #   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
+#   bash bench/gpu.sh smoke       # FIRST on a lent GPU (at most 8 minutes): the README's default cold (empty
+#                                 # compile cache) and warm, and the 1.5B realistic RL step: one table
+#                                 # (wall s, programs, compile s, steady step s) in $OUT/smoke.md
 #   bash bench/gpu.sh calibrate   # issue 32: decode ms per step and train MFU at the compiled shapes, to set
 #                                 # beside the compile-only figures of docs/measurements/journal.md (same card, same shapes)
 #   bash bench/gpu.sh shared      # issue 29: the shared-prefix exactness tests on the GPU (float32, highest
@@ -52,6 +55,11 @@ flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__ver
 
 case "${1:-}" in
   setup) setup ;;
+  smoke)
+    setup
+    # bench/smoke.py runs the three itself (each with JAX_LOG_COMPILES=1 under its own limit: 150, 90, 220 s)
+    run smoke 480 bench/smoke.py --logs "$LOGS"
+    ;;
   decode)
     setup
     # every program of a 3B RL step (8 prompts) compiled for this GPU (the sampler alone timed out at 150 s
@@ -129,5 +137,5 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|calibrate|shared|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh {setup|smoke|calibrate|shared|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
 esac

@@ -297,9 +297,11 @@ def run_worker(args) -> dict:
                  "dense_attention_keys": attention_keys([batch["input_ids"].shape[1]] * len(rows)),
                  "real_attention_keys": ref.get("keys", attention_keys(rows))}
     after_warmup = compiles.count - warm_compiles
+    programs, compile_s = compiles.count, compiles.seconds  # the step's programs, before device_peak's matmul
     peak, source = common.device_peak(args.peak_tflops)  # on a CPU it compiles a matmul to time it
     record = {"label": args.label, "packed": packed, "forced_eos": forced, "num_params": cfg.num_params(),
               "times": times, "stats": stats, "compiles_after_warmup": after_warmup,
+              "programs": programs, "compile_s": compile_s,
               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
               "peak_flops": peak * jax.device_count(), "devices": jax.device_count(), "peak_source": source,
               "backend": common.backend_line()}
@@ -437,6 +439,9 @@ def compare(args, argv: list[str]) -> None:
             med = common.medians(rec["times"])
             print(f"round {r + 1} {side}: step {sum(med.values()):.2f}s (" +
                   ", ".join(f"{p} {v:.2f}s" for p, v in med.items()) + ")", flush=True)
+            if "programs" in rec:
+                print(f"round {r + 1} {side}: {rec['programs']} programs compiled in {rec['compile_s']:.1f} s "
+                      "(XLA's compile log, persistent-cache loads included)", flush=True)
     summary = {side: {p: statistics.median(statistics.median(r["times"][p]) for r in recs) for p in PHASES}
                for side, recs in records.items()}
     last = next(iter(records.values()))[-1]
