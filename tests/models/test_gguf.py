@@ -275,7 +275,7 @@ def test_a_skipped_real_model_test_fails_under_ci(tmp_path):
         "import pytest\n\n@pytest.mark.real_model\ndef test_model():\n    pytest.skip('no model file')\n\n"
         "def test_other():\n    pytest.skip('unrelated')\n")
     env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-c", os.devnull,
            "--rootdir", str(tmp_path), str(tmp_path / "test_skips.py")]
     ci = subprocess.run(cmd, capture_output=True, text=True, env={**env, "CI": "true"})

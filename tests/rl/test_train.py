@@ -137,7 +137,7 @@ def test_damaged_checkpoint_is_skipped_with_warning(tmp_path, caplog):
     (["--config.train.micro_batch=4"],
      "error: config.train.micro_batch=4 is invalid: must be divisible by the mesh's data x fsdp = 8"),
     (["--config.algo.weighting=arr"],
-     "error: config.algo.weighting='arr' is invalid: allowed values are ['none', 'ar', 'tr']"),
+     "error: config.algo.weighting='arr' is invalid: allowed values are ['ar', 'none', 'tr']"),
 ])
 def test_invalid_config_fails_with_one_line(args, expected):
     proc = subprocess.run([sys.executable, "-m", "arlopti_jax.train", *args], capture_output=True, text=True,

@@ -45,7 +45,7 @@ def test_trim_drops_half_written_lines_and_keeps_standalone_evaluations(tmp_path
 def test_the_fault_switch(tmp_path, monkeypatch):
     """SITE:N kills the N-th pass (a write site leaves half its text); other sites run on; a wrong
     spec or an unknown site is an error, not a silent no-op."""
-    script = ("import sys; from arlopti_jax import faults\n"
+    script = ("import sys; from arlopti_jax.runtime import faults\n"
               "f = open(sys.argv[1], 'w')\n"
               "for i in range(3):\n    faults.write(f, f'line {i}\\n', 'metrics'); f.flush()\n")
     killed = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out")], capture_output=True,
