@@ -138,8 +138,8 @@ def prefill(cfg: ModelConfig, params, prompt_ids: Array, prompt_mask: Array):
     return cache, _rows(_next_logits(cfg, params, hidden))
 
 
-def _sample(logits, key, step, rows, stop_at, eos_ids, temperature, top_p, kernel):
-    top_k, use_top_p, greedy, _ = kernel
+def _sample(logits, key, step, rows, stop_at, eos_ids, temperature, top_p, kernel, greedy):
+    top_k, use_top_p, _ = kernel
     forced = jnp.where(step + 1 >= stop_at, eos_ids[0], -1)
     return sample_tokens(logits, key, step, rows, temperature, top_p, top_k=top_k, use_top_p=use_top_p,
                          greedy=greedy, forced=forced)
@@ -147,10 +147,11 @@ def _sample(logits, key, step, rows, stop_at, eos_ids, temperature, top_p, kerne
 
 def start(prompt_cache: dict, logits: Array, prompt_mask: Array, live: Array, stop_at: Array, key: Array,
           temperature: Array, top_p: Array, eos_ids: Array, *, n: int, max_len: int, slots: int,
-          kernel: tuple) -> DecodeState:
+          kernel: tuple, greedy: Array | bool = False) -> DecodeState:
     """The prompts' cache repeated to their n samples and widened to ``slots``; every sample
-    draws its first token from the shared prefill logits."""
-    pad_id = kernel[3]
+    draws its first token from the shared prefill logits. ``greedy``: a traced bool (argmax
+    decoding or the draw, one program for both; ``sampling.sample_tokens``)."""
+    pad_id = kernel[2]
     prompt_slots = prompt_mask.shape[1]
     cache = _cache_map(prompt_cache, lambda c, axis: _pad_axis(jnp.repeat(c, n, axis=axis), axis + 2,
                                                                  slots - prompt_slots), 1)
@@ -158,7 +159,8 @@ def start(prompt_cache: dict, logits: Array, prompt_mask: Array, live: Array, st
     count = mask_n.shape[0]
     live = jnp.repeat(live, n, axis=0)
     rows = jnp.arange(count, dtype=jnp.int32)
-    tok, lp = _sample(jnp.repeat(logits, n, axis=0), key, 0, rows, stop_at, eos_ids, temperature, top_p, kernel)
+    tok, lp = _sample(jnp.repeat(logits, n, axis=0), key, 0, rows, stop_at, eos_ids, temperature, top_p, kernel,
+                      greedy)
     tok = jnp.where(live, tok, pad_id)
     state = DecodeState(
         cache=cache,
@@ -182,15 +184,15 @@ def _busiest(finished: Array, devices: int) -> Array:
 
 
 def step(cfg: ModelConfig, params, s: DecodeState, key: Array, temperature: Array, top_p: Array, eos_ids: Array, *,
-         kernel: tuple, unroll: bool = False) -> DecodeState:
+         kernel: tuple, unroll: bool = False, greedy: Array | bool = False) -> DecodeState:
     """One decode step: feed the last token at slot P + t - 1, sample token t for every row."""
-    pad_id = kernel[3]
+    pad_id = kernel[2]
     t = s.step
     prev = jax.lax.dynamic_slice_in_dim(s.tokens, t - 1, 1, axis=1)
     pos = (s.prompt_len + t - 1)[:, None]
     hidden, cache = _forward(cfg, params, prev, pos, s.kv_mask, s.cache, s.prompt_slots + t - 1, unroll)
     tok, lp = _sample(_next_logits(cfg, params, hidden), key, t, s.rows, s.stop_at, eos_ids, temperature,
-                      top_p, kernel)
+                      top_p, kernel, greedy)
     alive = ~s.finished
     tok = jnp.where(alive, tok, pad_id)
     put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), t, axis=1)
@@ -205,7 +207,8 @@ def step(cfg: ModelConfig, params, s: DecodeState, key: Array, temperature: Arra
 
 
 def decode(cfg: ModelConfig, params, state: DecodeState, key: Array, temperature: Array, top_p: Array,
-           eos_ids: Array, compact_at: Array, *, kernel: tuple, devices: int) -> tuple[DecodeState, Array]:
+           eos_ids: Array, compact_at: Array, *, kernel: tuple, devices: int,
+           greedy: Array | bool = False) -> tuple[DecodeState, Array]:
     """Decode until R tokens, a full cache, or no device holds more than ``compact_at``
     unfinished rows (0: until every row has finished). Returns the state and [step, busiest]."""
     max_len = state.tokens.shape[1]
@@ -221,7 +224,7 @@ def decode(cfg: ModelConfig, params, state: DecodeState, key: Array, temperature
     unroll = per_layer_cache()
 
     def body(s: DecodeState) -> DecodeState:
-        return step(cfg, params, s, key, temperature, top_p, eos_ids, kernel=kernel, unroll=unroll)
+        return step(cfg, params, s, key, temperature, top_p, eos_ids, kernel=kernel, unroll=unroll, greedy=greedy)
 
     state = jax.lax.while_loop(cond, body, _constrain(state))
     return state, jnp.stack([state.step, _busiest(state.finished, devices)])

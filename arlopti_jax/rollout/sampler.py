@@ -222,9 +222,11 @@ class Sampler:
 
     @staticmethod
     def _traced_settings(sampling: SamplingConfig):
+        """(temperature, top_p, EOS ids, greedy): the settings the programs read as data."""
         eos = np.full(eos_width(sampling), -1, np.int32)
         eos[: len(sampling.eos_ids)] = sampling.eos_ids
-        return jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), jnp.asarray(eos)
+        return (jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), jnp.asarray(eos),
+                jnp.bool_(sampling.greedy))
 
     def start(self, params, batch: PromptBatch, n: int, key: Array, sampling: SamplingConfig,
               stop_at: np.ndarray | None = None) -> DecodeState:
@@ -234,7 +236,7 @@ class Sampler:
             raise ValueError(f"generate: n={n} must be >= 1")
         if sampling.top_k > self.cfg.vocab_size:
             raise ValueError(f"SamplingConfig.top_k={sampling.top_k} exceeds the vocabulary ({self.cfg.vocab_size})")
-        temperature, top_p, eos = self._traced_settings(sampling)
+        temperature, top_p, eos, greedy = self._traced_settings(sampling)
         rows = shd.batch_sharding(self.mesh, 2)
         live = np.arange(batch.ids.shape[0]) < batch.num_prompts
         stops = self._stop_rows(stop_at, batch, n, sampling)
@@ -246,7 +248,8 @@ class Sampler:
             stops = shd.put(stops, one, (batch.global_rows or batch.ids.shape[0]) * n)
             return self._start(cache, logits, mask, live, stops, key, temperature, top_p, eos, n=n,
                                max_len=sampling.max_response_len,
-                               slots=batch.ids.shape[1] + sampling.phase_ends()[0], kernel=sampling.kernel_key)
+                               slots=batch.ids.shape[1] + sampling.phase_ends()[0], kernel=sampling.kernel_key,
+                               greedy=greedy)
 
     @staticmethod
     def _stop_rows(stop_at, batch: PromptBatch, n: int, sampling: SamplingConfig) -> np.ndarray:
@@ -275,7 +278,7 @@ class Sampler:
     def decode(self, params, state: DecodeState, key: Array, sampling: SamplingConfig) -> Decoded:
         """Run the decode loops to the end (``state`` is donated): one loop over the whole
         batch and cache when not ``sampling.length_aware``, else phases and compaction."""
-        temperature, top_p, eos = self._traced_settings(sampling)
+        temperature, top_p, eos, greedy = self._traced_settings(sampling)
         ends = sampling.phase_ends()
         phase, out, loops = 0, None, []
         max_len = sampling.max_response_len
@@ -286,7 +289,7 @@ class Sampler:
                 compacts = sampling.length_aware and sampling.min_rows <= _half(rows) < rows
                 compact_at = np.int32(_half(rows) if compacts else 0)
                 state, status = self._decode(params, state, key, temperature, top_p, eos, compact_at,
-                                             kernel=sampling.kernel_key)
+                                             kernel=sampling.kernel_key, greedy=greedy)
                 step, busiest = (int(v) for v in dist.to_host(status))
                 loops.append((rows, state.kv_mask.shape[1], step))
                 if step >= max_len or busiest == 0:
@@ -324,17 +327,19 @@ class Sampler:
         eos = eos_width(sampling)
         temperature, top_p, eos_ids = (spec((), jnp.float32, rep), spec((), jnp.float32, rep),
                                        spec((eos,), jnp.int32, rep))
+        greedy = spec((), jnp.bool_, rep)  # data: greedy and sampled decoding share these programs
         ends, kernel = sampling.phase_ends(), sampling.kernel_key
         with shd.activate(self.mesh, self.rules):
             if self._cast is not None:
                 params = compile("sampling weights", self._cast, params)
             cache, logits = compile("prefill", self._prefill, params, ids, ids)
             start = compile("start", self._start, cache, logits, ids, live, stops, key, temperature, top_p, eos_ids,
-                            n=n, max_len=r, slots=p + ends[0], kernel=kernel)
+                            n=n, max_len=r, slots=p + ends[0], kernel=kernel, greedy=greedy)
             first = b * n // div
             step_args = (key, temperature, top_p, eos_ids, spec((), jnp.int32, rep))
             if not sampling.length_aware:
-                compile(f"decode rows={first} slots={p + r}", self._decode, params, start, *step_args, kernel=kernel)
+                compile(f"decode rows={first} slots={p + r}", self._decode, params, start, *step_args, kernel=kernel,
+                        greedy=greedy)
                 return
             # rows per device: the batch's, then the powers of two below it down to min_rows
             buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length()))
@@ -347,7 +352,8 @@ class Sampler:
                     if state is None:
                         continue
                     slots = p + end
-                    compile(f"decode rows={rows} slots={slots}", self._decode, params, state, *step_args, kernel=kernel)
+                    compile(f"decode rows={rows} slots={slots}", self._decode, params, state, *step_args,
+                            kernel=kernel, greedy=greedy)
                     if rows != first and phase == 0:  # the final scatter reads only the rows' outputs
                         compile(f"scatter rows={rows}", self._scatter, full, row_fields(state))
                     if i + 1 < len(buckets):  # nothing compacted yet (out None) while the batch is whole

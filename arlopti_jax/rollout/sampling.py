@@ -31,7 +31,8 @@ class SamplingConfig:
                       probability reaches top_p (1.0 = off).
     top_k             keep the k most likely tokens (0 = off). Applied before top_p.
     greedy            argmax decoding (top_p / top_k are then irrelevant); the recorded
-                      log-probs are still log_softmax(logits / temperature).
+                      log-probs are still log_softmax(logits / temperature). Data, not part of
+                      ``kernel_key``: greedy and sampled decoding run the same compiled programs.
     eos_ids           a sample finishes at the first of these tokens (kept, mask 1);
                       () never stops early (fixed-length generation, for benchmarks).
     pad_id            written after a sample finishes (mask 0) and used for prompt padding.
@@ -87,8 +88,9 @@ class SamplingConfig:
 
     @property
     def kernel_key(self) -> tuple:
-        """The settings that change the compiled program (the rest are traced values)."""
-        return (self.top_k, self.top_p < 1.0, self.greedy, self.pad_id)
+        """The settings that change the compiled program (the rest, ``greedy`` included, are traced
+        values: greedy evaluation and sampling share the sampler's programs)."""
+        return (self.top_k, self.top_p < 1.0, self.pad_id)
 
     def phase_ends(self) -> tuple[int, ...]:
         """Response slots of each decode phase's cache: phase_tokens, doubling while the
@@ -147,13 +149,22 @@ def first_argmax(x: Array) -> tuple[Array, Array]:
 
 
 def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Array, top_p: Array, *,
-                  top_k: int, use_top_p: bool, greedy: bool, forced: Array | None = None) -> tuple[Array, Array]:
+                  top_k: int, use_top_p: bool, greedy: bool | Array,
+                  forced: Array | None = None) -> tuple[Array, Array]:
     """Draw one token per row from float32 ``logits`` [N, V] at response position ``step``
     (Gumbel-max with ``gumbel_noise``: rows are the rows' global indices [N]).
 
     ``forced`` [N] int32, when given, replaces the draw where it is >= 0 (a forced EOS).
     Returns (tokens [N] int32, log_softmax(logits / temperature)[token] [N] float32).
-    ``temperature`` and ``top_p`` are traced scalars; the rest choose the program.
+    ``temperature`` and ``top_p`` are traced scalars; ``greedy`` is a Python bool (it then chooses
+    the program: argmax only, or the draw only) or a traced bool scalar (one program serves both:
+    the sampler's, so greedy evaluation and sampling compile once). The traced flag selects the
+    argmax's input elementwise (the logits, or the noisy scaled logits) inside the one reduction;
+    with top_k / top_p it selects between the argmax of the logits and the truncated draw (the
+    shift stays the top-k's maximum of the scaled logits, the same value). The tokens are the
+    Python flag's program's; in the sampler's programs the log-probs are too, bit for bit
+    (tests/rollout/test_rollout.py; XLA may round ``logits / T`` differently in two separately
+    compiled small programs, by an ulp of the largest scaled logit).
 
     The log-softmax's shift is the maximum the draw has found already, so the logits are read
     twice in all (the draw's maximum, then its index beside the normaliser's sum), not six times:
@@ -162,7 +173,8 @@ def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Arr
     23-bit uniform), so no exp overflows and the largest term is at least exp(-16.7).
     """
     scaled = logits.astype(jnp.float32) / temperature
-    if greedy:
+    traced = not isinstance(greedy, bool)
+    if greedy is True:
         tokens, top = first_argmax(logits)
         shift = top.astype(jnp.float32) / temperature  # the maximum of ``scaled`` (division keeps the order)
     elif top_k or use_top_p:
@@ -175,6 +187,12 @@ def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Arr
             vals = jnp.where(mass_before < top_p, vals, -jnp.inf)  # the first is always kept
         choice, _ = first_argmax(vals + gumbel_noise(key, step, rows, k))
         tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+        if traced:  # the greedy program's token where the flag is set; the shift is the same maximum
+            tokens = jnp.where(greedy, first_argmax(logits)[0], tokens)
+    elif traced:  # one reduction: the argmax of the logits (greedy) or of the noisy scaled logits
+        noisy = scaled + gumbel_noise(key, step, rows, scaled.shape[-1])
+        tokens, top = first_argmax(jnp.where(greedy, logits.astype(jnp.float32), noisy))
+        shift = jnp.where(greedy, top / temperature, top)
     else:
         tokens, shift = first_argmax(scaled + gumbel_noise(key, step, rows, scaled.shape[-1]))
     tokens = tokens.astype(jnp.int32)

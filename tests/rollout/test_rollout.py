@@ -334,3 +334,104 @@ def test_one_row_count_for_the_padded_batch_its_compiled_programs_and_a_process_
     with pytest.raises(Prefill) as prefill:
         sampler.programs(None, 17, 5, 1, sampling, compile)
     assert prefill.value.args[0] == want[17]
+
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("kernel", [dict(top_k=0, use_top_p=False), dict(top_k=7, use_top_p=False),
+                                    dict(top_k=0, use_top_p=True), dict(top_k=9, use_top_p=True)],
+                         ids=["plain", "top_k", "top_p", "top_k+top_p"])
+def test_a_traced_greedy_flag_draws_what_each_static_program_draws(platform, kernel, monkeypatch):
+    """``sample_tokens`` with ``greedy`` a traced bool (one jitted program for both) draws the tokens
+    of the Python flag's two programs, greedy being numpy's first argmax of the logits, on each
+    platform's argmax path, with ties and masked-out tokens, at two temperatures; the log-probs agree
+    to float32 rounding (XLA may round ``logits / T`` differently in two separately compiled small
+    programs; the sampler's own programs are compared bit for bit below)."""
+    from arlopti_jax.rollout import sample_tokens
+
+    monkeypatch.setattr(shd, "platform", lambda: platform)
+    rng = np.random.default_rng(len(str(kernel)) + len(platform))
+    logits = (rng.normal(size=(8, 40)) * 3).astype(np.float32)
+    logits[0, [3, 21]] = 30.0  # a tie at the maximum
+    logits[1, :] = -np.inf
+    logits[1, [5, 11]] = 1.5
+    rows = jnp.arange(4, 12, dtype=jnp.int32)
+    traced = jax.jit(lambda lg, key, t, temp, p, g: sample_tokens(lg, key, t, rows, temp, p, greedy=g, **kernel))
+    for greedy in (True, False, True):
+        for temperature, seed, t in ((0.7, 1, 3), (1.3, 2, 0)):
+            args = (jnp.asarray(logits), jax.random.key(seed), t, jnp.float32(temperature), jnp.float32(0.8))
+            want = jax.jit(lambda lg, key, t, temp, p: sample_tokens(lg, key, t, rows, temp, p, greedy=greedy,
+                                                                     **kernel))(*args)
+            got = traced(*args, jnp.bool_(greedy))
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+            scaled = logits.astype(np.float64) / temperature
+            ulp = np.spacing(np.float32(np.abs(scaled[np.isfinite(scaled)]).max()))  # of the largest logit / T
+            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=0, atol=2 * ulp)
+            m = scaled.max(axis=1, keepdims=True)
+            lse = m[:, 0] + np.log(np.exp(scaled - m).sum(axis=1))
+            np.testing.assert_allclose(np.asarray(got[1]), scaled[np.arange(8), np.asarray(got[0])] - lse,
+                                       rtol=1e-5, atol=1e-5)
+            if greedy:
+                np.testing.assert_array_equal(np.asarray(got[0]), np.argmax(logits, axis=1))
+    assert traced._cache_size() == 1  # one program for both flags
+
+
+def _static_flag_sampler(cfg, mesh):
+    """A sampler whose programs take ``greedy`` as a compile-time constant, as they did before it
+    became data (the Python flag's branches of ``sample_tokens`` are that code, unchanged)."""
+    import functools
+
+    from arlopti_jax.rollout import programs
+
+    sampler = Sampler(cfg, mesh)
+    sampler._start = jax.jit(programs.start, static_argnames=("n", "max_len", "slots", "kernel", "greedy"))
+    sampler._decode = jax.jit(functools.partial(programs.decode, cfg, devices=sampler.devices),
+                              static_argnames=("kernel", "greedy"), donate_argnames=("state",))
+    sampler._traced_settings = lambda sampling: Sampler._traced_settings(sampling)[:3] + (bool(sampling.greedy),)
+    return sampler
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.2, top_k=20), dict(top_p=0.9)],
+                         ids=["sampled", "top_k", "top_p"])
+def test_greedy_and_sampled_decoding_share_one_compiled_program(policy, kw):
+    """Greedy decoding, then sampling with the same kernel settings (``kernel_key``) at the same
+    shapes on other prompts, then greedy again, run the same compiled prefill, start and decode
+    loops: no compile after the first call. Each call's tokens and log-probs equal, bit for bit,
+    those of programs compiled for the one flag (``_static_flag_sampler``), and
+    ``reference_generate``'s (straight-line layers, no cache) to float32 rounding."""
+    cfg, params, _ = policy
+    sampler, static = Sampler(cfg, policy[2].mesh), _static_flag_sampler(cfg, policy[2].mesh)
+    compiles = []
+
+    def listen(event, duration, **meta):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(meta.get("fun_name", "?"))
+
+    prompts = {"greedy": [[5, 6, 7, 8], [12, 13, 14]], "sampled": [[40, 41], [3, 4, 5, 6]],
+               "again": [[9, 10, 11], [20, 21, 22, 23]]}
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for i, (mode, greedy) in enumerate((("greedy", True), ("sampled", False), ("again", True))):
+            sampling = SamplingConfig(max_response_len=8, eos_ids=(2,), min_rows=1, phase_tokens=2, greedy=greedy,
+                                      **kw)
+            key = jax.random.key(4 + i)
+            before = len(compiles)
+            roll = sampler.generate(params, prompts[mode], N, key, sampling)
+            if i:
+                assert compiles[before:] == [], (mode, compiles[before:])
+            before = len(compiles)
+            want = static.generate(params, prompts[mode], N, key, sampling)
+            if i == 1:  # the flag's own programs: a new start and decode loops for sampling
+                assert {"start", "decode"} <= {name.split("(")[-1].rstrip(")") for name in compiles[before:]}, \
+                    compiles[before:]
+            np.testing.assert_array_equal(roll.response_ids, want.response_ids)
+            np.testing.assert_array_equal(roll.logprobs, want.logprobs)  # bit for bit
+            tokens, logprobs, mask = reference_generate(cfg, params, prompts[mode], N, key, sampling)
+            np.testing.assert_array_equal(roll.response_ids, tokens)
+            np.testing.assert_array_equal(roll.response_mask, mask)
+            np.testing.assert_allclose(roll.logprobs, logprobs, atol=1e-4)
+            same = np.array_equal(roll.response_ids[::N], roll.response_ids[1::N])
+            assert same if greedy else not same  # a group's greedy samples agree; sampled ones differ
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert sampler._prefill._cache_size() == 1
