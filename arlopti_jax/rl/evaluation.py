@@ -120,12 +120,13 @@ class Evaluator:
         return {"eval_n": self.config.train.eval_n, "eval_temperature": self.sampled.temperature,
                 "eval_top_p": self.sampled.top_p, "eval_top_k": self.sampled.top_k}
 
-    def _chunk(self, params, key, rows, n, sampling, mode: str, records: list[dict] | None):
+    def _chunk(self, params, key, rows, n, sampling, mode: str, records: list[dict] | None, pad_to: int = 0):
         """Scores, correctness and (sampled mode) per-prompt statistics of this process's share;
-        appends this process's responses to ``records`` (unless None)."""
+        appends this process's responses to ``records`` (unless None). ``pad_to``: the sampler's
+        batch is laid out for that many prompts (padding rows, dropped: ``Sampler.generate``)."""
         cfg = self.config
-        rows = rows[self.sampler.process_share(len(rows), sampling)]
-        rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling)
+        rows = rows[self.sampler.process_share(len(rows), sampling, pad_to)]
+        rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling, pad_to=pad_to)
         texts, scores = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
         ok = np.array([is_correct(rows[i // n]["data_source"], v) for i, v in enumerate(scores)], bool)
         answers = [None] * len(texts)
@@ -152,18 +153,24 @@ class Evaluator:
         cfg = self.config
         out: dict[str, float] = {}
         cap = cfg.train.batch_prompts * cfg.rollout.n  # responses per generate call
+        limit = lambda ds: ds.rows if cfg.train.eval_max_prompts < 0 else ds.rows[:cfg.train.eval_max_prompts]
+        largest = max((len(limit(ds)) for ds in self.sets.values()), default=0)
         for name, ds in self.sets.items():
-            rows = ds.rows if cfg.train.eval_max_prompts < 0 else ds.rows[:cfg.train.eval_max_prompts]
+            rows = limit(ds)
             records = [] if generations_dir is not None else None
             total = len(rows) * (1 + cfg.train.eval_n)
             bar = tqdm(total=total, desc=f"eval {name}", unit="response", leave=False,
                        disable=jax.process_index() != 0)
             for mode, sampling, n in (("greedy", self.greedy, 1), ("sampled", self.sampled, cfg.train.eval_n)):
                 per = max(1, cap // n)
+                # every chunk (a test set's last, a smaller test set's) is laid out as a full one: one
+                # prompt-count bucket, one set of sampler programs, for the whole evaluation
+                pad_to = min(per, largest)
                 scores, correct, stats = [], [], []
                 for start in range(0, len(rows), per):
                     key, sub = jax.random.split(key)
-                    s, ok, st = self._chunk(params, sub, rows[start:start + per], n, sampling, mode, records)
+                    s, ok, st = self._chunk(params, sub, rows[start:start + per], n, sampling, mode, records,
+                                            pad_to)
                     scores.append(s)
                     correct.append(ok)
                     stats.append(st)

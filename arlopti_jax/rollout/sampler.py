@@ -170,9 +170,11 @@ class Sampler:
         """The NamedSharding of the "k" and "v" cache arrays [L, N, K, S, H]."""
         return shd.logical_to_shardings(jax.sharding.PartitionSpec(*CACHE_AXES), self.mesh, self.rules)
 
-    def _global_layout(self, count: int, longest: int, sampling: SamplingConfig) -> tuple[int, int, int]:
+    def _global_layout(self, count: int, longest: int, sampling: SamplingConfig,
+                       pad_to: int = 0) -> tuple[int, int, int]:
         """(prompt width, global rows, this process's rows). Several processes agree on the
-        width and on a global row count laid out as in one process (see ``process_share``)."""
+        width and on a global row count laid out as in one process (see ``process_share``), that
+        of at least ``pad_to`` prompts."""
         procs = jax.process_count()
         if procs > 1:
             counts, longests = dist.gather(np.array([count]), np.array([longest]))
@@ -182,32 +184,34 @@ class Sampler:
         if total == 0:
             raise ValueError("generate: prompts is empty")
         div = shd.batch_divisor(self.mesh)
-        rows = batch_rows(total, sampling, div)
+        rows = batch_rows(max(total, pad_to), sampling, div)
         per = div // procs  # every process holds the same number of rows, whole shards
         local = max(rows // procs, -(-count // per) * per)
         return bucket(longest, sampling.prompt_bucket), local * procs, local
 
-    def process_share(self, num_prompts: int, sampling: SamplingConfig) -> slice:
+    def process_share(self, num_prompts: int, sampling: SamplingConfig, pad_to: int = 0) -> slice:
         """This process's prompts of a global list of ``num_prompts``, chosen so the global
-        padded batch is laid out as one process would (the same samples; eval uses this).
-        All of them with one process."""
+        padded batch (that of at least ``pad_to`` prompts: ``generate``) is laid out as one process
+        would (the same samples; eval uses this). All of them with one process."""
         if jax.process_count() == 1:
             return slice(0, num_prompts)
         div = shd.batch_divisor(self.mesh)
-        rows = batch_rows(max(num_prompts, 1), sampling, div)
+        rows = batch_rows(max(num_prompts, pad_to, 1), sampling, div)
         index = shd.batch_sharding(self.mesh, 1).addressable_devices_indices_map((rows,))
         start = min(s[0].indices(rows)[0] for s in index.values())
         return slice(min(start, num_prompts), min(start + rows // jax.process_count(), num_prompts))
 
-    def pad_prompts(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> PromptBatch:
+    def pad_prompts(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                    pad_to: int = 0) -> PromptBatch:
         """Left-pad ``prompts`` (this process's, in a multi-process run: every process calls
-        this with its own, possibly none) to the bucketed batch."""
+        this with its own, possibly none) to the bucketed batch, that of ``pad_to`` prompts (all
+        processes') where that is more."""
         if not prompts and jax.process_count() == 1:
             raise ValueError("generate: prompts is empty")
         lengths = [len(p) for p in prompts]
         if lengths and min(lengths) < 1:
             raise ValueError(f"generate: prompt {lengths.index(min(lengths))} is empty")
-        width, global_rows, rows = self._global_layout(len(prompts), max(lengths, default=1), sampling)
+        width, global_rows, rows = self._global_layout(len(prompts), max(lengths, default=1), sampling, pad_to)
         ids = np.full((rows, width), sampling.pad_id, np.int32)
         mask = np.zeros((rows, width), np.int32)
         for i, p in enumerate(prompts):
@@ -365,7 +369,7 @@ class Sampler:
                                                             slots=p + ends[phase + 1])
 
     def generate(self, params, prompts: Sequence[Sequence[int]], n: int, key: Array,
-                 sampling: SamplingConfig, stop_at: np.ndarray | None = None) -> Rollout:
+                 sampling: SamplingConfig, stop_at: np.ndarray | None = None, pad_to: int = 0) -> Rollout:
         """n responses to each prompt (token id lists), as host arrays grouped by prompt.
         Multi-process: every process passes its own prompts (any number, none included) and
         gets back the responses to those, sampled as one global batch.
@@ -375,8 +379,13 @@ class Sampler:
         draw, so responses end at chosen lengths on any model; a value > max_response_len
         never forces. The forced token is recorded as if sampled: in the mask, with its
         log-prob under the model, the row finished (not truncated).
+
+        ``pad_to``: lay the batch out as for this many prompts (all processes') when there are fewer:
+        the extra rows are batch padding (finished from the start, dropped from the result), so the
+        responses are the same, and calls with varying prompt counts up to ``pad_to`` share one
+        prompt-count bucket, one set of compiled programs (evaluation's last chunk of a test set).
         """
-        batch = self.pad_prompts(prompts, sampling)
+        batch = self.pad_prompts(prompts, sampling, pad_to)
         params = self.sampling_params(params)
         done = self.decode(params, self.start(params, batch, n, key, sampling, stop_at), key, sampling)
         keep = batch.num_prompts * n
