@@ -72,7 +72,10 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, grad
         warmup_steps=max(1, warmup), total_steps=max(steps, warmup + 1), min_lr_ratio=0.1))
 
 
-def make_sft_step(model_cfg: ModelConfig, optimizer, mesh, rules=shd.DEFAULT_RULES):
+def make_sft_step(model_cfg: ModelConfig, optimizer, mesh, rules=shd.DEFAULT_RULES, state_shardings=None):
+    """The jitted SFT step (params and optimizer state donated). ``state_shardings``: the optimizer
+    state's, in and out (default: as XLA lays the output out, which on several devices may differ
+    from ``optimizer.init``'s and compile the step once more for its second call)."""
     p_shard = param_shardings(model_cfg, mesh, rules)
     b_shard = shd.batch_sharding(mesh)
 
@@ -81,8 +84,8 @@ def make_sft_step(model_cfg: ModelConfig, optimizer, mesh, rules=shd.DEFAULT_RUL
         mask = batch["loss_mask"].astype(jnp.float32)
         return -jnp.sum(lp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1), in_shardings=(p_shard, None, b_shard),
-                       out_shardings=(p_shard, None, None))
+    @functools.partial(jax.jit, donate_argnums=(0, 1), in_shardings=(p_shard, state_shardings, b_shard),
+                       out_shardings=(p_shard, state_shardings, None))
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -113,11 +116,54 @@ def batch_schedule(lengths: np.ndarray, batch: int, steps: int, seed: int = 0, p
     return out[:steps]
 
 
+def width_buckets(needs: np.ndarray, rows: int, count: int = 2) -> tuple[int, ...]:
+    """At most ``count`` batch widths, the largest ``needs.max()``, chosen so a batch trimmed to the
+    smallest of them holding its longest row (``needs``: per batch, that row's length rounded up to
+    16 tokens) pays the least padding over the schedule (``rows`` rows per batch): every width is
+    one compiled step program, so a run compiles at most ``count`` of them. Exact, by dynamic
+    programming over the distinct needs (each bucket is one of them)."""
+    widths, counts = np.unique(np.asarray(needs, np.int64), return_counts=True)
+    m = len(widths)
+    count = max(1, min(count, m))
+    # cost[i][j]: tokens of the batches needing widths[i..j], all trimmed to widths[j]
+    totals = np.concatenate([[0], np.cumsum(counts)])
+    cost = lambda i, j: int(totals[j + 1] - totals[i]) * int(widths[j]) * rows
+    inf = float("inf")
+    best = [[inf] * m for _ in range(count + 1)]  # best[k][j]: needs 0..j served by k buckets, the top widths[j]
+    back = [[-1] * m for _ in range(count + 1)]
+    for j in range(m):
+        best[1][j] = cost(0, j)
+    for k in range(2, count + 1):
+        for j in range(m):
+            for i in range(j):  # the bucket below widths[j] is widths[i]
+                c = best[k - 1][i] + cost(i + 1, j)
+                if c < best[k][j]:
+                    best[k][j], back[k][j] = c, i
+    k = min(range(1, count + 1), key=lambda k: best[k][m - 1])  # fewer buckets where they do as well
+    out, j = [], m - 1
+    while j >= 0 and k >= 1:
+        out.append(int(widths[j]))
+        j, k = back[k][j], k - 1
+    return tuple(sorted(out))
+
+
+def batch_widths(data: dict[str, np.ndarray], schedule: list[np.ndarray], programs: int = 2) -> list[int]:
+    """Each scheduled batch's width: its longest row rounded up to 16 tokens (at most the data's
+    width), raised to the smallest of ``width_buckets`` holding it (at most ``programs`` widths)."""
+    lengths, limit = data["attention_mask"].sum(1), data["input_ids"].shape[1]
+    needs = np.array([min(limit, -(-int(lengths[idx].max()) // 16) * 16) for idx in schedule], np.int64)
+    if not len(needs):
+        return []
+    buckets = np.array(width_buckets(needs, max(len(idx) for idx in schedule), programs))
+    return [int(buckets[np.searchsorted(buckets, need)]) for need in needs]
+
+
 def run_sft(model_cfg: ModelConfig, params, tokenizer, rows: list[dict], *, steps: int, batch: int,
             lr: float, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0,
             max_length: int = 1024, seed: int = 0, mesh=None, desc: str = "sft") -> tuple[dict, list[float]]:
     """Train ``params`` on ``rows`` in length-grouped batches (``batch_schedule``), each trimmed
-    to its longest row rounded up to 16 tokens; returns the new params and the loss per step."""
+    to one of at most two widths (``batch_widths``: two compiled step programs); returns the new
+    params and the loss per step."""
     data = tokenize_pairs(rows, tokenizer, max_length)
     schedule = batch_schedule(data["attention_mask"].sum(1), batch, steps, seed)
     return train_sft(model_cfg, params, data, schedule, lr=lr, warmup=warmup, weight_decay=weight_decay,
@@ -127,17 +173,18 @@ def run_sft(model_cfg: ModelConfig, params, tokenizer, rows: list[dict], *, step
 def train_sft(model_cfg: ModelConfig, params, data: dict[str, np.ndarray], schedule: list[np.ndarray], *,
               lr: float, warmup: int = 20, weight_decay: float = 0.0, grad_clip: float = 1.0, mesh=None,
               desc: str = "sft") -> tuple[dict, list[float]]:
-    """``run_sft`` on rows already tokenized (``tokenize_pairs``) and scheduled (``batch_schedule``)."""
+    """``run_sft`` on rows already tokenized (``tokenize_pairs``) and scheduled (``batch_schedule``),
+    each batch trimmed to its ``batch_widths`` width (padding never changes the loss: the masks)."""
     mesh = mesh if mesh is not None else shd.make_mesh({"fsdp": -1})
-    steps, lengths = len(schedule), data["attention_mask"].sum(1)
+    steps, widths = len(schedule), batch_widths(data, schedule)
     optimizer = make_optimizer(lr, steps, warmup, weight_decay, grad_clip)
     with shd.activate(mesh):
         opt_state = jax.jit(optimizer.init)(params)
-        step = make_sft_step(model_cfg, optimizer, mesh)
+        # the state keeps its layout from step to step: one program per batch width
+        step = make_sft_step(model_cfg, optimizer, mesh, state_shardings=jax.tree.map(lambda x: x.sharding, opt_state))
         losses = []
         bar = tqdm(schedule, desc=desc, disable=jax.process_index() != 0)
-        for idx in bar:
-            width = min(data["input_ids"].shape[1], -(-int(lengths[idx].max()) // 16) * 16)
+        for idx, width in zip(bar, widths):
             # placed explicitly: a multi-process run (process 0 building the start point on its own
             # devices) may not pass host arrays to a jit with shardings
             mb = jax.device_put({k: v[idx, :width] for k, v in data.items()}, shd.batch_sharding(mesh))
