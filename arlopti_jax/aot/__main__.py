@@ -42,6 +42,8 @@ COMMAND = Command(
             "machine's devices: compile times here, through the persistent compilation cache)"),
            ("--json=PATH", "also write the records (one per target) as JSON"),
            ("--eval", "also compile the evaluation's sampler programs (greedy and sampled)"),
+           ("--all-shapes", "the packed passes for every shape of the run's set, as train compiles them (the "
+            "default for local); else, on a compile-only target, for the shape of the step's memory peak"),
            ("--verbose", "a line per program as it compiles")),
     examples=(
         "python -m arlopti_jax.aot --config=configs/layouts/v5p8.py:7b,grpo_ar_lopti --target=v5p-8",
@@ -108,7 +110,8 @@ def main(argv) -> int:
     records, status = [], 0
     for target in chosen:
         try:
-            record = check(config, target, verbose=flags.FLAGS.verbose, eval_programs=flags.FLAGS.eval)
+            record = check(config, target, verbose=flags.FLAGS.verbose, eval_programs=flags.FLAGS.eval,
+                           all_shapes=True if flags.FLAGS.all_shapes else None)
         except DoesNotFit as err:
             print(f"error: {err}", file=sys.stderr)
             status = max(status, 1)
@@ -133,6 +136,7 @@ def _cli():
         flags.DEFINE_string("target", "", "compile-only target(s), comma-separated")
         flags.DEFINE_string("json", "", "write the records as JSON to this file")
         flags.DEFINE_bool("eval", False, "also compile the evaluation's sampler programs")
+        flags.DEFINE_bool("all_shapes", False, "the packed passes for every shape of the run's set")
         flags.DEFINE_bool("verbose", False, "a line per program as it compiles")
         define_config_file()
 

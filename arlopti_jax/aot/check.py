@@ -9,8 +9,12 @@ lowers and compiles every program one RL step runs:
   every compaction, growth and scatter its schedule can reach (``Sampler.programs``);
 - log-probs: the packed teacher-forced pass (the reference policy's, and pi_old's with
   ``rollout.recompute_old_logprobs``), when the config runs it;
-- update: the gradient accumulator's zeros, one accumulate of a packed micro-batch and the
+- update: the gradient accumulator's zeros, the accumulate of a packed micro-batch and the
   optimizer step.
+
+The packed passes (log-probs, accumulate) compile for every shape of the run's set
+(``packing.Shapes``: what ``train`` compiles with its first batch) on ``local``, or for the
+shape of the step's memory peak alone on a compile-only target unless ``all_shapes``.
 
 Batches are the worst case: every prompt at ``data.max_prompt_length`` and every response at
 ``rollout.max_response_length``, packed by the trainer's own packer (the micro-batch shape of
@@ -90,10 +94,9 @@ def abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def worst_case_micro_batch(run: run_setup.Run) -> tuple[dict, dict, list]:
-    """The host arrays of the first (largest) packed micro-batch when every sequence of a
-    mini-batch has the longest prompt and response: the update's and the log-prob pass's; and
-    the mini-batch's whole plan."""
+def worst_case_batch(run: run_setup.Run) -> tuple[dict, np.ndarray, list]:
+    """A mini-batch whose every sequence has the longest prompt and response (dense host arrays),
+    its rows, and its packing plan (the first micro-batch is the step's memory peak)."""
     c = run.config
     width = bucket(c.data.max_prompt_length, c.rollout.prompt_bucket)
     r = c.rollout.max_response_length
@@ -109,8 +112,16 @@ def worst_case_micro_batch(run: run_setup.Run) -> tuple[dict, dict, list]:
     floats = np.zeros(attention.shape, np.float32)
     batch = {"input_ids": ids, "attention_mask": attention, "response_mask": response, "old_logprobs": floats,
              "advantages": floats, "loss_mask": response, "ref_logprobs": floats}
-    logprob_pass = packing.gather(plan[0], {"input_ids": ids}, {"target_ids": ids})
-    return packing.gather(plan[0], {"input_ids": ids}, run.train_step.targets(batch, order)), logprob_pass, plan
+    return batch, order, plan
+
+
+def micro_batch_arrays(run: run_setup.Run, batch: dict, order: np.ndarray, rows: int, length: int) -> tuple[dict, dict]:
+    """The host arrays of a packed micro-batch of ``rows`` x ``length`` (all devices): the update's
+    and the log-prob pass's, as the trainer gathers them."""
+    mb = packing.empty(length, rows, run.train_step.num_devices)
+    ids = {"input_ids": batch["input_ids"]}
+    return (packing.gather(mb, ids, run.train_step.targets(batch, order)),
+            packing.gather(mb, ids, {"target_ids": batch["input_ids"]}))
 
 
 class Compiler:
@@ -218,9 +229,12 @@ def prepare(config, target: Target):
 
 
 def check(config, target: Target, *, verbose: bool = False, eval_programs: bool = False,
-          groups: tuple[str, ...] = GROUPS) -> dict:
+          groups: tuple[str, ...] = GROUPS, all_shapes: bool | None = None) -> dict:
     """Compile one RL step of ``config`` for ``target`` (the programs of ``groups``): the JSON
-    record (module docstring)."""
+    record (module docstring). ``all_shapes``: the packed passes for every shape of the run's
+    set (``packing.Shapes``), as ``train`` compiles them; else for the peak micro-batch's shape
+    alone. Default: all for ``local``, the peak's for a compile-only target."""
+    all_shapes = target.name == "local" if all_shapes is None else all_shapes
     mesh, (model_cfg, eos, pad, source) = prepare(config, target)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=eos, pad_id=pad,
                              total_steps=max(1, config.train.max_steps))
@@ -245,21 +259,25 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
             run.sampler.programs(params, cap, c.data.max_prompt_length, 1, run.sampling(greedy=True), compiler)
             run.sampler.programs(params, max(1, cap // c.train.eval_n), c.data.max_prompt_length, c.train.eval_n,
                                  run.sampling(temperature=c.train.eval_temperature), compiler)
-        host, logprob_host, plan = worst_case_micro_batch(run)
-        row = run.train_step.row_sharding
+        batch, order, plan = worst_case_batch(run)
+        step = run.train_step
+        shapes = step.accumulate_programs.keys() if all_shapes else [plan[0].token_src.shape]
+        arrays = {shape: micro_batch_arrays(run, batch, order, *shape) for shape in shapes}
+        row = step.row_sharding
         spec = lambda arrays: {k: abstract(v.shape, v.dtype, row) for k, v in arrays.items()}
-        with shd.activate(mesh, run.train_step.rules):
+        with shd.activate(mesh, step.rules):
             compiler.group = "logprobs"
-            if "logprobs" in groups and (run.use_reference or c.rollout.recompute_old_logprobs):
-                compiler(f"log-probs {_shape(host)}", run.logprobs.jitted, params, spec(logprob_host))
-            if "logprobs" in groups and run.weight_cfg.entropy_top_fraction:  # pi_old's entropies (80/20)
-                compiler(f"log-probs+entropy {_shape(host)}", run.logprobs.with_entropy_jitted, params,
-                         spec(logprob_host))
+            for shape, (_, logprob_host) in arrays.items():
+                if "logprobs" in groups and (run.use_reference or c.rollout.recompute_old_logprobs):
+                    compiler(f"log-probs {_shape(shape)}", run.logprobs.jitted, params, spec(logprob_host))
+                if "logprobs" in groups and run.weight_cfg.entropy_top_fraction:  # pi_old's entropies (80/20)
+                    compiler(f"log-probs+entropy {_shape(shape)}", run.logprobs.with_entropy_jitted, params,
+                             spec(logprob_host))
             compiler.group = "update"
-            step = run.train_step
             if "update" in groups:
                 acc = compiler("zeros", step._zeros, params)
-                acc = compiler(f"accumulate {_shape(host)}", step._accumulate, params, acc, spec(host))
+                for shape, (host, _) in arrays.items():
+                    compiler(f"accumulate {_shape(shape)}", step._accumulate, params, acc, spec(host))
                 compiler("apply (clip + AdamW)", step._apply, params, opt_state, acc,
                          abstract((), jnp.float32, shd.replicated(mesh)))
     finally:
@@ -270,8 +288,8 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     return report(config, target, run, compiler.programs, resident, time.perf_counter() - started, source, plan)
 
 
-def _shape(host: dict) -> str:
-    rows, length = host["input_ids"].shape
+def _shape(shape: tuple[int, int]) -> str:
+    rows, length = shape
     return f"{rows}x{length}"
 
 

@@ -122,6 +122,8 @@ def base_config() -> ml_collections.ConfigDict:
     # 0 = the dense micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
     c.train.max_tokens_per_micro_batch = 0
     c.train.shared_prefix = True  # a group's prompt forwarded once per pass (algos/packing.py)
+    c.train.pack_row_lengths = 2  # packed row lengths (algos/packing.py: Shapes): programs per pass =
+    c.train.pack_fills = 4  # ... row lengths x these row counts (full, 1/2, 1/4, 1/8 of a micro-batch)
     c.train.epochs = 5
     c.train.max_steps = -1  # -1 = epochs x batches per epoch
     c.train.eval_every = 20
@@ -264,6 +266,12 @@ FIELD_DOCS = {
                            "tokens, never a sibling's: P + n x R tokens instead of n x (P + R), the same log-probs "
                            "and gradients to float rounding; prompts no other row repeats keep their own copy; "
                            "False = every sequence whole",
+    "train.pack_row_lengths": "row lengths the packed passes may use: twice the longest possible sequence (at most "
+                              "the micro-batch), then each half the one before; each is one more compiled program "
+                              "per pass and row count, all known before the first step",
+    "train.pack_fills": "row counts a packed micro-batch may have: the full micro-batch, then half, a quarter, ... "
+                        "(the tail of a mini-batch takes the cheapest of them that hold it); programs per "
+                        "pass = pack_row_lengths x pack_fills",
     "train.epochs": "passes over the training data (when `max_steps` is -1)",
     "train.max_steps": "RL steps; -1 = epochs x batches per epoch",
     "train.eval_every": "evaluate every this many steps (and at the end)",
@@ -367,7 +375,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
            f"must divide train.batch_prompts x rollout.n = {responses}")
     _check(t.micro_batch >= 1 and t.mini_batch % t.micro_batch == 0, "train.micro_batch", t.micro_batch,
            f"must divide train.mini_batch = {t.mini_batch}")
-    for field in ("epochs", "eval_every", "save_every", "keep_checkpoints", "samples_every", "eval_n"):
+    for field in ("epochs", "eval_every", "save_every", "keep_checkpoints", "samples_every", "eval_n",
+                  "pack_row_lengths", "pack_fills"):
         _check(t[field] >= 1, f"train.{field}", t[field], "must be >= 1")
     _check(t.max_steps == -1 or t.max_steps >= 1, "train.max_steps", t.max_steps, "must be -1 or >= 1")
     longest = c.data.max_prompt_length + c.rollout.max_response_length

@@ -21,6 +21,7 @@ import numpy as np
 
 from arlopti_jax import algos
 from arlopti_jax.rl import run_setup
+from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.store.checkpoint import PreemptionFlag
 from arlopti_jax.rl.collect import Collector
@@ -72,6 +73,8 @@ def train(config, inputs: run_setup.Inputs | None = None) -> dict:
     """Run training per ``config``; returns the final summary (also printed). ``inputs``: the
     run's ``run_setup.prepare_inputs(config)``, when start-up has made them already."""
     started = time.time()
+    compile_log = compiles.watch()
+    compiled_before = compile_log.programs, compile_log.seconds  # this process may have compiled before the run
     run_dir = Path(config.run_dir)
     mesh = run_setup.make_mesh(config)
     inputs = run_setup.prepare_inputs(config) if inputs is None else inputs
@@ -163,7 +166,7 @@ def train(config, inputs: run_setup.Inputs | None = None) -> dict:
                 if step == 0:  # and once, the isolation experiment on the first batch
                     diagnostics.update(isolation_metrics(run, params, batch, passes))
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
-        mark, programs = len(train_step.processed), train_step.num_compilations()
+        mark = len(train_step.processed)
         with timer("update"):
             params, opt_state, pass_metrics = algos.update_on_batch(
                 train_step, params, opt_state, batch, passes, config.train.mini_batch)
@@ -181,8 +184,10 @@ def train(config, inputs: run_setup.Inputs | None = None) -> dict:
                    "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
                    "throughput/update_padding": packed.padding,
                    "update/forwarded_tokens": float(packed.real_tokens),
-                   # a micro-batch shape not seen before compiles inside the step's update time
-                   "time/update_new_programs": float(train_step.num_compilations() - programs),
+                   # every program this run has compiled (or loaded from the persistent cache) so far:
+                   # a shape not seen before compiles inside its phase's time
+                   "compile/programs": float(compile_log.programs - compiled_before[0]),
+                   "compile/seconds": compile_log.seconds - compiled_before[1],
                    "train/epoch": iterator.epoch}
         util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
         if util is not None:
@@ -193,6 +198,9 @@ def train(config, inputs: run_setup.Inputs | None = None) -> dict:
         if step % config.train.samples_every == 0:
             writer.text(step + 1, "samples", f"reward {sampled.sample_score:.2f}\n\n```\n{sampled.sample_text}\n```")
         history["reward"].append(float(sampled.scores.mean()))
+        if step == start_step:  # the first step (and the evaluation before it) compiled the run's programs
+            history["warm"] = compile_log.programs
+            compile_log.warm()
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
         # 7. evaluation, 8. checkpoint (asynchronous): evaluating first, a checkpoint's evaluation is
         # recorded before it exists, so a crash mid-evaluation resumes from the checkpoint before
@@ -216,6 +224,8 @@ def train(config, inputs: run_setup.Inputs | None = None) -> dict:
     export_dir = None
     if finished and config.train.export_at_end:
         export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
+    history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
+                          compile_log.programs - history.get("warm", compile_log.programs))
     return summarize(config, history, started, export_dir, preempted=not finished,
                      chance=chance_levels(test_sets))
 
@@ -276,10 +286,14 @@ def summarize(config, history, started, export_dir, preempted, chance: dict | No
         lines.append(compare_table(before, after, history["eval_settings"], chance))
     elif after:
         lines.append(format_table(after, history["eval_settings"]))
+    if "compile" in history:
+        programs, seconds, late = history["compile"]
+        lines.append(f"compiled: {programs} programs in {seconds:.1f} s, {late} of them after the first step"
+                     + (" (each logged as a warning)" if late else ""))
     if export_dir:
         lines.append(f"exported policy: {export_dir}")
     lines.append("=" * 72)
     if jax.process_index() == 0:
         print("\n".join(lines))
     return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted,
-            "reward_trend": trend, "chance": chance}
+            "reward_trend": trend, "chance": chance, "compile": history.get("compile")}

@@ -206,6 +206,14 @@ def tokens_per_micro_batch(config, mesh) -> int:
     return -(-rows * longest // 64) * 64
 
 
+def pack_shapes(config, mesh) -> algos.packing.Shapes:
+    """The packed micro-batch shapes of the run's update and log-prob passes (``packing.Shapes``):
+    fixed by the config, so every program of those passes is known before the first step."""
+    return algos.packing.shapes_for(tokens_per_micro_batch(config, mesh),
+                                    config.data.max_prompt_length + config.rollout.max_response_length,
+                                    config.train.pack_row_lengths, config.train.pack_fills)
+
+
 def optimizer_steps_per_rl_step(config) -> int:
     passes = 2 if config.algo.lopti_eta else 1
     return passes * config.train.batch_prompts * config.rollout.n // config.train.mini_batch
@@ -288,16 +296,18 @@ def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], 
     here: the programs compile on first use, or ahead of time through ``aot``)."""
     adv, weights, lopti, loss = algo_configs(config)
     optimizer = make_optimizer(config, total_steps)
-    tokens = tokens_per_micro_batch(config, mesh)
+    shapes = pack_shapes(config, mesh)
+    tokens = shapes.tokens_per_device
     chunk = config.model.logprob_chunk
     return Run(config=config, mesh=mesh, model_cfg=model_cfg, eos_ids=tuple(eos_ids), pad_id=int(pad_id),
                total_steps=total_steps, optimizer=optimizer, adv_cfg=adv, weight_cfg=weights, lopti_cfg=lopti,
                loss_cfg=loss, tokens_per_device=tokens, sampler=Sampler(model_cfg, mesh),
                train_step=algos.make_train_step(model_cfg, loss, optimizer, mesh, tokens_per_device=tokens,
-                                                chunk_size=chunk, shared_prefix=config.train.shared_prefix),
+                                                chunk_size=chunk, shared_prefix=config.train.shared_prefix,
+                                                shapes=shapes),
                logprobs=algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
                                                     tokens_per_device=tokens, chunk_size=chunk,
-                                                    shared_prefix=config.train.shared_prefix),
+                                                    shared_prefix=config.train.shared_prefix, shapes=shapes),
                state=abstract_state(model_cfg, optimizer, mesh))
 
 

@@ -51,8 +51,10 @@ def params():
 def test_plan_covers_every_token_and_target_once():
     batch = dense_batch(rows=30, width=120, seed=1)
     rows = np.arange(30)
+    shapes = packing.shapes_for(256, 120, row_lengths=3, fills=3)
+    assert shapes.row_lengths == (64, 128, 256)
     plan = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"], rows,
-                                      tokens_per_device=256, num_devices=2)
+                                      tokens_per_device=256, num_devices=2, shapes=shapes)
     spans = packing.sequence_spans(batch["attention_mask"])
     lengths = spans[:, 1] - spans[:, 0]
     src = np.concatenate([mb.token_src[mb.token_src >= 0] for mb in plan])
@@ -61,7 +63,7 @@ def test_plan_covers_every_token_and_target_once():
     assert sorted(tgt) == sorted(np.flatnonzero(batch["response_mask"].reshape(-1)))
     assert len({mb.row_length for mb in plan}) > 1  # long rows first, then shorter ones
     for j, mb in enumerate(plan):
-        assert mb.row_length in packing.row_lengths(256) and mb.token_src.shape[0] % 2 == 0
+        assert (mb.row_length, mb.token_src.shape[0] // 2) in shapes.all() and mb.token_src.shape[0] % 2 == 0
         longest = max(lengths[np.unique(mb.token_src[mb.token_src >= 0] // 120)])
         assert longest <= mb.row_length
         if j < len(plan) - 1:  # full micro-batches: 256 // S rows per device; the last one smaller
@@ -75,15 +77,12 @@ def test_plan_covers_every_token_and_target_once():
                 assert np.array_equal(mb.positions[r, slots], np.arange(len(slots)))
                 assert np.all(np.diff(slots) == 1)
         per_device = mb.token_src.shape[0] // 2
-        assert mb.target_pos.shape[0] == 2 and mb.target_pos.shape[1] in packing.target_widths(
-            per_device * mb.row_length)
+        assert mb.target_pos.shape == (2, per_device * mb.row_length)  # a target slot per token slot
         for d in range(2):  # each device's list: the slot before each target (in its own rows) predicts it
             used = arrays["target_mask"][d] > 0
             own_ids = arrays["input_ids"][d * per_device:(d + 1) * per_device].reshape(-1)
             assert np.array_equal(own_ids[mb.target_pos[d, used] + 1], arrays["target_ids"][d, used])
             assert used[:used.sum()].all()  # active targets first
-        most = int(arrays["target_mask"].sum(axis=1).max())  # the shortest width that holds every device's
-        assert mb.target_pos.shape[1] == min(w for w in packing.target_widths(per_device * mb.row_length) if w >= most)
     assert packing.summary(plan).padding < 0.25
 
 
@@ -97,8 +96,9 @@ def test_row_length_weighs_padding_against_attention():
         attn[i, 200 - n:] = 1
     resp = attn.copy()
     resp[:, :180] = 0
+    shapes = packing.Shapes(1024, (192, 320, 512, 1024), fills=3)
     plan = lambda cost: packing.plan_micro_batches(attn, resp, np.arange(40), tokens_per_device=1024,
-                                                   num_devices=1, attention_cost=cost)
+                                                   num_devices=1, attention_cost=cost, shapes=shapes)
     free = plan(0.0)  # attention free: the row length that wastes least
     assert free[0].row_length >= 320 and packing.summary(free).padding < 0.05
     dear = plan(1.0)  # attention dearer than everything else: one sequence per shortest row
@@ -108,15 +108,46 @@ def test_row_length_weighs_padding_against_attention():
             sorted(np.flatnonzero(attn.reshape(-1)))
 
 
-def test_row_length_ladder():
-    assert packing.row_lengths(4608) == (64, 128, 192, 256, 320, 384, 512, 640, 768, 960, 1152, 1408, 1728, 2112,
-                                         2560, 3072, 3712, 4608)
-    assert packing.row_lengths(1536) == (64, 128, 192, 256, 320, 384, 512, 640, 768, 960, 1152, 1536)
-    assert packing.row_lengths(100) == (64, 100)
-    for budget in (100, 1536, 4608, 9728):  # each step >= 1.2x, the budget last, nothing within 1.2x of it
-        ladder = packing.row_lengths(budget)
-        assert ladder[-1] == budget and all(b >= 1.2 * a for a, b in zip(ladder, ladder[1:-1]))
-        assert all(d * 1.2 <= budget for d in ladder[:-1])
+def test_shape_set():
+    shapes = packing.shapes_for(9728, 304)  # the embedded default: 32 rows of 256 + 48 tokens
+    assert shapes.row_lengths == (320, 640)  # twice 304, rounded up to 64; then half of it
+    assert shapes.rows_per_device(640) == (2, 4, 8, 15) and shapes.rows_per_device(320) == (4, 8, 15, 30)
+    assert len(shapes.all()) == 8
+    assert packing.shapes_for(4608).row_lengths == (2304, 4608)  # at most the budget
+    assert packing.shapes_for(100, 40, row_lengths=3).row_lengths == (64, 100)  # down to 64, no repeats
+    assert packing.shapes_for(4608, 600, row_lengths=1, fills=1).all() == [(1216, 3)]  # 1,200 rounded up
+    with pytest.raises(ValueError, match="do not fit"):
+        packing.shapes_for(256, 300)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_plan_takes_its_shape_from_the_set(shared):
+    """Over mini-batches of very different lengths (short and long responses, short and long
+    prompts, groups of 8 sharing a prompt), every micro-batch has a shape of ``Shapes.all()``
+    with a target slot per token slot: the programs are known before the first batch."""
+    rng = np.random.default_rng(7)
+    shapes = packing.shapes_for(2048, 256, row_lengths=2, fills=3)
+    seen = set()
+    for trial in range(40):
+        prompt = int(rng.integers(8, 128))
+        scale = rng.choice([4, 32, 128])
+        responses = np.minimum(rng.geometric(1 / scale, 32), 128)
+        attn = np.zeros((32, 256), np.int32)
+        attn[:, 128 - prompt:128] = 1
+        for i, r in enumerate(responses):
+            attn[i, 128:128 + r] = 1
+        resp = attn.copy()
+        resp[:, :128] = 0
+        ids = np.repeat(rng.integers(1, 90, (4, 256)), 8, axis=0) * attn
+        plan = packing.plan_micro_batches(attn, resp, rng.permutation(32)[:16], tokens_per_device=2048,
+                                          num_devices=2, attention_cost=0.002, input_ids=ids if shared else None,
+                                          shapes=shapes)
+        for mb in plan:
+            rows = mb.token_src.shape[0] // 2
+            assert (mb.row_length, rows) in shapes.all()
+            assert mb.target_pos.shape == (2, rows * mb.row_length)
+            seen.add((mb.row_length, rows))
+    assert len(seen) > 2  # the lengths did reach several shapes of the set
 
 
 def test_plan_errors_name_the_row():

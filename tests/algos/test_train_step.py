@@ -20,6 +20,7 @@ from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.algos import (AdvantageConfig, LoptiConfig, LossConfig, OptimConfig, TokenWeightConfig, current_lr,
                                init_opt_state, make_compute_logprobs, make_optimizer, make_quartile_grad_norms,
                                make_schedule, make_train_step, prepare_updates, update_on_batch)
+from arlopti_jax.algos import packing
 from arlopti_jax.models import ModelConfig, abstract_params, logits, param_shardings
 from test_advantages import np_grpo
 
@@ -247,14 +248,49 @@ def test_update_moves_likelihood_in_the_sign_of_the_advantage(sign):
     params = params_on()
     state = _adam_state(params)
     trace = [_response_logprob(params, batch, 0)]
-    compiled = []
     for _ in range(4):
         params, state, metrics = step(params, state, batch)
         trace.append(_response_logprob(params, batch, 0))
-        compiled.append(step.num_compilations())
     assert sign * (trace[-1] - trace[0]) > 0.5, trace
     assert all(sign * (b - a) > 0 for a, b in zip(trace, trace[1:])), trace
-    assert compiled == [compiled[0]] * 4 and compiled[0] <= 3  # compiled on the first step only
+
+
+def _random_batch(rng, rows=ROWS):
+    """Prompts of 2-5 tokens and responses of 1-9, drawn afresh: each batch packs differently."""
+    ids = rng.integers(3, CFG.vocab_size, (rows, T)).astype(np.int32)
+    attn, resp = np.zeros((rows, T), np.int32), np.zeros((rows, T), np.float32)
+    for r in range(rows):
+        prompt, n = int(rng.integers(2, 6)), int(rng.integers(1, 10))
+        attn[r, 5 - prompt:5 + n] = 1
+        resp[r, 5:5 + n] = 1
+    adv = (rng.normal(size=(rows, 1)) * resp).astype(np.float32)
+    return dict(input_ids=ids * attn, attention_mask=attn, response_mask=resp, old_logprobs=-resp, advantages=adv,
+                loss_mask=resp)
+
+
+def test_every_program_compiles_with_the_first_batch():
+    """The first batch compiles the update's programs for every shape of the step's set; batches of
+    other lengths then compile nothing (counted from JAX's compile events), and each shape they
+    use is one of the set."""
+    from arlopti_jax.runtime import compiles
+
+    log = compiles.watch()
+    step = make_train_step(CFG, NO_KL, SGD, mesh_of(SINGLE), tokens_per_device=64,
+                           shapes=packing.Shapes(64, (32, 64), fills=3))
+    assert step.shapes.all() == [(32, 1), (32, 2), (64, 1)]
+    rng = np.random.default_rng(5)
+    params = params_on()
+    state = SGD.init(params)
+    params, state, _ = step(params, state, _random_batch(rng))
+    mark = log.programs
+    assert set(step.accumulate_programs.compiled) == {(1, 32), (2, 32), (1, 64)}
+    used = set()
+    for _ in range(6):
+        batch = _random_batch(rng)
+        used |= {mb.token_src.shape for mb in step.plan(batch, np.arange(ROWS))}
+        params, state, _ = step(params, state, batch)
+    assert log.programs == mark, [r.name for r in log.since(mark)]
+    assert len(used) >= 2 and used <= set(step.accumulate_programs.compiled)
 
 
 def test_kl_term_uses_ref_logprobs_and_pulls_towards_the_reference():
