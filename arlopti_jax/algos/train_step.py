@@ -350,9 +350,14 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
     model = PackedModel(model_cfg, temperature, chunk_size)
     row_sharding = shd.batch_sharding(mesh, 2)
     in_shardings = (param_shardings(model_cfg, mesh, rules), row_sharding)
-    jitted = jax.jit(lambda params, mb: model(params, mb, entropy_grad=False)[0],
-                     in_shardings=in_shardings, out_shardings=shd.replicated(mesh))
-    with_entropy_jitted = jax.jit(lambda params, mb: model(params, mb, entropy_grad=False), in_shardings=in_shardings,
+    def logprobs(params, mb):  # named: JAX's compile log and runtime.compiles show the name
+        return model(params, mb, entropy_grad=False)[0]
+
+    def logprobs_and_entropy(params, mb):
+        return model(params, mb, entropy_grad=False)
+
+    jitted = jax.jit(logprobs, in_shardings=in_shardings, out_shardings=shd.replicated(mesh))
+    with_entropy_jitted = jax.jit(logprobs_and_entropy, in_shardings=in_shardings,
                                   out_shardings=(shd.replicated(mesh),) * 2)
 
     num_devices = shd.batch_divisor(mesh)

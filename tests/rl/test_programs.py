@@ -1,0 +1,40 @@
+"""What a run compiles is what ``aot --target=local`` lists: the packed passes' programs of every
+shape of the run's set, compiled with the first batch, and nothing more for the packed passes over
+later batches of other lengths."""
+
+import re
+
+import pytest
+from run_fixtures import make_config, overrides
+
+from arlopti_jax.aot import targets
+from arlopti_jax.aot.check import check
+from arlopti_jax.rl.loop import train
+from arlopti_jax.runtime import compiles
+
+PACKED = {"jit(accumulate)": "accumulate", "jit(logprobs)": "log-probs"}
+
+
+def _rows_by_length(shapes: str) -> str:
+    """A packed program's micro-batch shape from its argument list: the first 2-D int32 array of
+    the micro-batch (its arguments come after the float32 parameters) is input_ids, [rows, length]."""
+    rows, length = re.search(r"int32\[(\d+),(\d+)\]", shapes).groups()
+    return f"{rows}x{length}"
+
+
+@pytest.mark.slow  # about 2 minutes on 2 cores: aot compiles the run's programs, then 4 RL steps
+def test_train_compiles_the_packed_programs_aot_lists(start_point, tmp_path):
+    values = overrides(start_point, tmp_path / "run", **{"train.max_steps": 4, "train.save_every": 100,
+                                                          "rollout.max_response_length": 16, "rollout.n": 4})
+    record = check(make_config(values), targets.get("local"), groups=("logprobs", "update"))
+    listed = sorted(p["name"] for p in record["programs"] if p["name"].split()[0] in PACKED.values())
+    assert any(name.startswith("log-probs") for name in listed) and len(listed) >= 4, listed
+
+    log = compiles.watch()
+    mark = log.programs
+    summary = train(make_config(values))
+    records = log.since(mark)
+    compiled = sorted(f"{PACKED[r.name]} {_rows_by_length(r.shapes)}" for r in records if r.name in PACKED)
+    assert compiled == listed  # each listed program once, none other
+    programs, seconds, _ = summary["compile"]  # the summary counts what the log holds
+    assert programs == len(records) and seconds == pytest.approx(sum(r.seconds for r in records))
