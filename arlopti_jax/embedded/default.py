@@ -62,7 +62,7 @@ def get_config():
     c.train.mini_batch = 32
     c.train.micro_batch = 32
     # one packed row length (640: a group's prompt and its 8 responses): 4 programs per packed pass
-    # instead of 8, compiled with the first batch; on the default's lengths 18% padding against 21%
+    # instead of 8, compiled with the first batch; on the default's lengths 19% padding against 22%
     # with two (bench/packing_plan.py, 2026-11-27)
     c.train.pack_row_lengths = 1
     c.train.max_steps = 30
