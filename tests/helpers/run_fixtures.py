@@ -9,7 +9,7 @@ from pathlib import Path
 from arlopti_jax.embedded.default import get_config
 
 # metrics that depend on wall time, not on the computation
-TIMING = ("time/", "throughput/")
+TIMING = ("time/", "throughput/", "compile/")  # wall time, and what this process happened to compile
 
 
 def overrides(sp: Path, run_dir: Path, **extra) -> dict:
