@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.algos import packing
@@ -177,13 +178,20 @@ class PackedPrograms:
     def warm_up(self, args: tuple, make_arrays) -> None:
         spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
         fixed = jax.tree.map(spec, args)
+        log, name = compiles.watch(), f"jit({self.jitted.__name__})"
         lowered = {}
         for rows, length in self.keys():
             arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.row_sharding)
                       for k, v in make_arrays(length, rows).items()}
-            lowered[(rows, length)] = self.jitted.lower(*fixed, arrays)
+            lowered[(rows, length)] = (self.jitted.lower(*fixed, arrays), log.lowered(name))
+
+        def compile_one(item):
+            low, shapes = item
+            with log.compiling(shapes):  # compiled on another thread, in any order: named by its shapes
+                return low.compile()
+
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-            done = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+            done = dict(zip(lowered, pool.map(compile_one, lowered.values())))
         self.compiled.update(done)
 
     def __call__(self, *args, make_arrays):

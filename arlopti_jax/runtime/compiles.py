@@ -16,6 +16,7 @@ shape that was new.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -40,10 +41,11 @@ class Record:
 class CompileLog:
     def __init__(self):
         self.records: list[Record] = []
-        self._shapes: dict[str, str] = {}  # program name -> shapes of its latest lowering
+        self._shapes: dict[str, list[str]] = {}  # program name -> shapes of its lowerings not compiled yet
         self._last: dict[str, str] = {}  # program name -> shapes of its previous compilation
         self._warm = False
         self._lock = threading.Lock()
+        self._local = threading.local()  # a compile on this thread: its lowering's shapes (``compiling``)
 
     @property
     def programs(self) -> int:
@@ -56,6 +58,21 @@ class CompileLog:
     def since(self, mark: int) -> list[Record]:
         return self.records[mark:]
 
+    def lowered(self, name: str) -> str:
+        """The shapes of the latest lowering of ``name`` not compiled yet ("" when none)."""
+        with self._lock:
+            return (self._shapes.get(name) or [""])[-1]
+
+    @contextlib.contextmanager
+    def compiling(self, shapes: str):
+        """Compiles on this thread within the block are of a lowering with these ``shapes``: for
+        lowerings compiled later, on other threads, in any order (``algos.PackedPrograms``)."""
+        self._local.shapes = shapes
+        try:
+            yield
+        finally:
+            self._local.shapes = None
+
     def warm(self) -> None:
         """From now on a new program is a warning: the run should have compiled everything."""
         self._warm = True
@@ -67,7 +84,7 @@ class CompileLog:
         match = _COMPILING.match(record.getMessage())
         if match:
             with self._lock:
-                self._shapes[match.group(1)] = match.group(2)
+                self._shapes.setdefault(match.group(1), []).append(match.group(2))
         return record.levelno >= self._level
 
     def _on_event(self, event: str, seconds: float, **kwargs) -> None:
@@ -75,7 +92,12 @@ class CompileLog:
             return
         name = str(kwargs.get("fun_name", "?"))
         with self._lock:
-            shapes = self._shapes.pop(name, "")
+            pending = self._shapes.get(name, [])
+            shapes = getattr(self._local, "shapes", None)
+            if shapes is not None and shapes in pending:
+                pending.remove(shapes)
+            elif shapes is None:
+                shapes = pending.pop(0) if pending else ""
             previous = self._last.get(name)
             self._last[name] = shapes
             self.records.append(Record(name, float(seconds), shapes))
