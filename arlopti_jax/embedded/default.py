@@ -15,13 +15,14 @@ The numerics follow the backend found when the config is loaded (``runtime.chips
 
 On a GPU or TPU remat stays off (the model is tiny: memory is no constraint) and the 4 layers stay
 unrolled. Scan against unroll there is not yet measured in a run (no GPU was lent on 2026-11-27,
-when it was chosen); compiler figures for an H100 favour unrolling (``python -m arlopti_jax.aot --target=h100
---config.model.dtype=bfloat16 --config.model.attention=cudnn --config.model.unroll_layers=True|False
---config.compile_cache_dir=""``, compile-only on a shared 2-core CPU machine, jax 0.10.2 with its
-CUDA 12 plugin 0.10.2): the 8 programs compiled in 34.0 s unrolled against 35.0 s scanned (a
-second pair, on a working tree with another change's micro-batch shape: 46.1 s against 51.3 s), and the update's accumulate program
-reads and writes 0.63 GB against 0.96 GB (2.22 against 3.28) with 0.06 GiB of temporaries against
-0.12 GiB (0.23 against 0.36). The sampler loops over the layers either way.
+when it was chosen); compiler figures for an H100 favour unrolling (``python -m arlopti_jax.aot
+--target=h100 --config.model.dtype=bfloat16 --config.model.attention=cudnn
+--config.model.unroll_layers=True|False --config.compile_cache_dir=""``, compile-only on a shared
+2-core CPU machine, jax 0.10.2 with its CUDA 12 plugin 0.10.2): the 8 programs compiled in 34.0 s
+unrolled against 35.0 s scanned (a second pair, on a working tree with another change's micro-batch
+shape: 46.1 s against 51.3 s), and the update's accumulate program reads and writes 0.63 GB against
+0.96 GB (2.22 against 3.28) with 0.06 GiB of temporaries against 0.12 GiB (0.23 against 0.36). The
+sampler loops over the layers either way.
 """
 
 from arlopti_jax.config import base_config
