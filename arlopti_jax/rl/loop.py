@@ -72,8 +72,15 @@ def quartile_metrics(batch, advantages) -> dict[str, float]:
 def train(config, inputs: run_setup.Inputs | None = None) -> dict:
     """Run training per ``config``; returns the final summary (also printed). ``inputs``: the
     run's ``run_setup.prepare_inputs(config)``, when start-up has made them already."""
-    started = time.time()
     compile_log = compiles.watch()
+    try:
+        return _train(config, inputs, compile_log)
+    finally:
+        compile_log.warm(False)  # the warm-up is this run's: a later run in this process warms up again
+
+
+def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.CompileLog) -> dict:
+    started = time.time()
     compiled_before = compile_log.programs, compile_log.seconds  # this process may have compiled before the run
     run_dir = Path(config.run_dir)
     mesh = run_setup.make_mesh(config)

@@ -3,6 +3,7 @@
     log = compiles.watch()        # idempotent: one log per process, from JAX's own events
     log.programs, log.seconds     # so far (persistent-cache loads included: they are programs too)
     log.warm()                    # the warm-up is over: each later program is logged as a warning
+    log.warm(False)               # the run is over: compiles are quiet again
     log.since(mark)               # the programs after ``mark = len(log.records)``
 
 A program is one ``backend compile`` of JAX (``/jax/core/compile/backend_compile_duration``): an
@@ -73,9 +74,14 @@ class CompileLog:
         finally:
             self._local.shapes = None
 
-    def warm(self) -> None:
-        """From now on a new program is a warning: the run should have compiled everything."""
-        self._warm = True
+    def warm(self, on: bool = True) -> None:
+        """From now on a new program is a warning: the run should have compiled everything
+        (``on=False`` ends that, when the run ends)."""
+        self._warm = on
+
+    @property
+    def is_warm(self) -> bool:
+        return self._warm
 
     # JAX's hooks ---------------------------------------------------------------------------
     def _on_lowering(self, record: logging.LogRecord) -> bool:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from arlopti_jax.rl import run_setup
+from arlopti_jax.runtime import compiles
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.train import train
 
@@ -27,6 +28,7 @@ def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
     assert set(want) == {1, 2, 3, 4}
     assert "update/low/pg_loss" in want[1] and "update/high/pg_loss" in want[1]  # Lopti's two passes
     assert "quartile/q1_mean_prob" in want[1]
+    assert not compiles.watch().is_warm  # the warm-up ended with the run: a later one in this process warms up again
 
     # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
     values = overrides(start_point, tmp_path / "b")
