@@ -1,7 +1,8 @@
-"""One-step arithmetic word problems with boxed answers, graded by the math reward.
+"""Arithmetic word problems of one or two steps with boxed answers, graded by the math reward.
 
     python -m arlopti_jax.tasks.arith --out data/arith                 # train.parquet, test.parquet
     python -m arlopti_jax.tasks.arith --out data/arith --ops add,sub --max-operand 20
+    python -m arlopti_jax.tasks.arith --out data/arith2 --steps 2 --ops add,sub   # a + b - c, ...
 
 A task a small pretrained instruct model can start on (SmolLM2-135M-Instruct answers about
 six in ten of the default problems greedily and fewer when sampling; docs/results/real_model.md), so
@@ -21,6 +22,11 @@ question is built and a seeded shuffle picks them (the data of the documented ru
 (``--max-operand 1000`` would be 160 million strings) questions are drawn at random, rejecting
 repeats and the other split's pairs, with the same distribution: each possible question equally
 likely; a pair's split is then a seeded hash of the pair, ``test_share`` of them on average.
+
+``--steps 2``: each question chains two operations on three operands (``a + b - c``: "has a, gets
+b more, then gives away c"), every count along the way positive, with a two-step worked example.
+They are always drawn as above; the split holds out operand triples (as unordered multisets), so
+no test question's three numbers, in any order, appear together in a training question.
 """
 
 from __future__ import annotations
@@ -49,6 +55,24 @@ QUESTIONS = {
             "{name} had {a} {item} and lost {b} of them. How many {item} does {name} have now?"),
 }
 
+# two steps: (first op, second op) -> templates with operands a, b, c
+QUESTIONS_2 = {
+    ("add", "add"): ("{name} has {a} {item}, gets {b} more and then {c} more. How many {item} does {name} have now?",
+                     "{name} had {a} {item}. One friend gave {name} {b} more and another gave {c} more. How many "
+                     "{item} does {name} have?"),
+    ("add", "sub"): ("{name} has {a} {item}, gets {b} more and then gives away {c}. How many {item} does {name} have "
+                     "now?",
+                     "{name} had {a} {item}, found {b} more and then lost {c}. How many {item} does {name} have?"),
+    ("sub", "add"): ("{name} has {a} {item}, gives away {b} and then gets {c} more. How many {item} does {name} have "
+                     "now?",
+                     "{name} had {a} {item}, lost {b} and then found {c} more. How many {item} does {name} have?"),
+    ("sub", "sub"): ("{name} has {a} {item}, gives away {b} and then gives away {c} more. How many {item} does "
+                     "{name} have left?",
+                     "{name} had {a} {item}, lost {b} and then lost {c} more. How many {item} does {name} have now?"),
+}
+EXAMPLE_2 = ("Sara has 3 pens, gets 4 more and then gives away 2. How many pens does Sara have now?",
+             "3 + 4 = 7. 7 - 2 = 5. The answer is \\boxed{5}.")
+
 _STR = pa.string()
 SCHEMA = pa.schema([
     ("data_source", _STR),
@@ -59,10 +83,12 @@ SCHEMA = pa.schema([
 ])  # fmt: skip
 
 
-def messages(question: str) -> list[dict[str, str]]:
-    """The ``prompt`` column of one question: system line, the worked example, the question."""
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": EXAMPLE[0]},
-            {"role": "assistant", "content": EXAMPLE[1]}, {"role": "user", "content": question}]
+def messages(question: str, steps: int = 1) -> list[dict[str, str]]:
+    """The ``prompt`` column of one question: system line, the worked example (of as many steps),
+    the question."""
+    example = EXAMPLE if steps == 1 else EXAMPLE_2
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example[0]},
+            {"role": "assistant", "content": example[1]}, {"role": "user", "content": question}]
 
 
 def split_pairs(min_operand: int, max_operand: int, test_share: float, seed: int):
@@ -105,6 +131,28 @@ def _sample(min_operand: int, max_operand: int, ops: Sequence[str], test: bool, 
     return out
 
 
+def _sample_two_step(min_operand: int, max_operand: int, ops: Sequence[str], test: bool, seed: int,
+                     test_share: float, rng: random.Random, count: int):
+    """``count`` distinct two-step (question, answer) pairs of one split, as ``_sample`` draws one-step
+    ones: two operations, three operands, every count along the way positive, the split by the
+    operands' multiset."""
+    seen, out, misses = set(), [], 0
+    while len(out) < count and misses < 50 + 20 * count:
+        first, second = rng.choice(list(ops)), rng.choice(list(ops))
+        a, b, c = (rng.randint(min_operand, max_operand) for _ in range(3))
+        template, name, item = rng.choice(QUESTIONS_2[first, second]), rng.choice(NAMES), rng.choice(ITEMS)
+        middle = a + b if first == "add" else a - b
+        answer = middle + c if second == "add" else middle - c
+        held_out = random.Random(f"{seed}:{sorted((a, b, c))}").random() < test_share
+        question = template.format(name=name, item=item, a=a, b=b, c=c)
+        if middle <= 0 or answer <= 0 or held_out != test or question in seen:
+            misses += 1
+            continue
+        seen.add(question)
+        out.append((question, answer))
+    return out
+
+
 def _problems(pairs, ops: Sequence[str], rng: random.Random, count: int):
     """``count`` distinct (question, answer) pairs drawn from the operand pairs (either order for
     a sum; larger first for a difference), or every one there is when fewer exist."""
@@ -121,16 +169,20 @@ def _problems(pairs, ops: Sequence[str], rng: random.Random, count: int):
 
 
 def generate(train_count: int, test_count: int, *, ops: Sequence[str] = ("add",), min_operand: int = 2,
-             max_operand: int = 9, test_share: float = 0.25, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(train rows, test rows); test questions share no operand pair with training ones."""
+             max_operand: int = 9, test_share: float = 0.25, seed: int = 0,
+             steps: int = 1) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows); test questions share no operand pair (two steps: triple) with
+    training ones."""
     bad = [op for op in ops if op not in OPS]
     if bad or not ops:
         raise ValueError(f"ops {list(ops)}: choose from {list(OPS)}")
     if not 0 <= min_operand < max_operand:
         raise ValueError(f"operands {min_operand}..{max_operand}: need 0 <= min < max")
+    if steps not in (1, 2):
+        raise ValueError(f"steps {steps}: choose 1 or 2")
     values = max_operand - min_operand + 1
     per_pair = len(ops) * max(map(len, QUESTIONS.values())) * len(NAMES) * len(ITEMS)  # per ordered pair, at most
-    enumerate_all = values * values * per_pair <= ENUMERATE_LIMIT
+    enumerate_all = steps == 1 and values * values * per_pair <= ENUMERATE_LIMIT
     if enumerate_all:
         train_pairs, test_pairs = split_pairs(min_operand, max_operand, test_share, seed)
     rng = random.Random(seed + 1)
@@ -138,9 +190,11 @@ def generate(train_count: int, test_count: int, *, ops: Sequence[str] = ("add",)
     for split, count in (("train", train_count), ("test", test_count)):
         if enumerate_all:
             problems = _problems(train_pairs if split == "train" else test_pairs, ops, rng, count)
+        elif steps == 2:
+            problems = _sample_two_step(min_operand, max_operand, ops, split == "test", seed, test_share, rng, count)
         else:
             problems = _sample(min_operand, max_operand, ops, split == "test", seed, test_share, rng, count)
-        out.append([{"data_source": DATA_SOURCE, "prompt": messages(q), "ability": "math",
+        out.append([{"data_source": DATA_SOURCE, "prompt": messages(q, steps), "ability": "math",
                      "reward_model": {"ground_truth": str(answer), "style": "rule"},
                      "extra_info": {"index": i, "split": split, "question": q}}
                     for i, (q, answer) in enumerate(problems)])
@@ -164,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-operand", type=int, default=2)
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--test-share", type=float, default=0.25, help="share of operand pairs held out for test")
+    parser.add_argument("--steps", type=int, default=1, help="operations per question: 1 (a + b) or 2 (a + b - c)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.train_count < 1 or args.test_count < 1:
@@ -173,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train, test = generate(args.train_count, args.test_count, ops=args.ops.split(","),
                                min_operand=args.min_operand, max_operand=args.max_operand,
-                               test_share=args.test_share, seed=args.seed)
+                               test_share=args.test_share, seed=args.seed, steps=args.steps)
     except ValueError as err:
         parser.error(str(err))
     out = Path(args.out)

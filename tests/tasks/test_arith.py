@@ -96,3 +96,36 @@ def test_large_operand_ranges_are_sampled_without_building_every_question(monkey
     assert 0.4 < sum(a < b for a, b in seen["add"]) / len(seen["add"]) < 0.6  # either order
     assert max(max(p) for p in seen["add"]) > 900  # the whole range, not its start
     assert arith.generate(50, 5, max_operand=1000, seed=4) == arith.generate(50, 5, max_operand=1000, seed=4)
+
+
+def two_step(question: str) -> tuple[list[int], tuple[bool, ...], int]:
+    """(operands, whether each later one is taken away, answer) read from the question's words: a
+    number right after "away" or "lost" is taken away, any other is added."""
+    tokens = question.replace(",", "").replace(".", "").split()
+    numbers = [(int(t), tokens[i - 1]) for i, t in enumerate(tokens) if t.isdigit()]
+    taken = tuple(before in ("away", "lost") for _, before in numbers[1:])
+    total = numbers[0][0] + sum(-v if away else v for (v, _), away in zip(numbers[1:], taken))
+    return [n for n, _ in numbers], taken, total
+
+
+def test_two_step_problems_chain_both_operations_hold_out_operand_triples_and_answer_right():
+    train, test = arith.generate(1500, 200, ops=("add", "sub"), min_operand=2, max_operand=12, seed=7, steps=2)
+    assert len(train) == 1500 and len(test) == 200
+    triples = {split: {tuple(sorted(two_step(r["extra_info"]["question"])[0])) for r in rows}
+               for split, rows in (("train", train), ("test", test))}
+    assert not triples["train"] & triples["test"]  # no test triple of numbers, in any order, is trained on
+    signs = set()
+    for row in train + test:
+        question = row["extra_info"]["question"]
+        numbers, taken, answer = two_step(question)
+        assert len(numbers) == 3 and all(2 <= n <= 12 for n in numbers)
+        assert row["reward_model"]["ground_truth"] == str(answer) and answer > 0
+        assert not taken[0] or numbers[0] > numbers[1]  # every count along the way positive
+        signs.add(taken)
+        assert row["prompt"][2]["content"] == "3 + 4 = 7. 7 - 2 = 5. The answer is \\boxed{5}."
+    assert signs == {(False, False), (False, True), (True, False), (True, True)}  # all four chains
+    assert len({r["extra_info"]["question"] for r in train + test}) == 1700
+    only_add, _ = arith.generate(200, 10, ops=("add",), steps=2, seed=7)
+    assert all(two_step(r["extra_info"]["question"])[1] == (False, False) for r in only_add)
+    with pytest.raises(ValueError, match="steps 3: choose 1 or 2"):
+        arith.generate(1, 1, steps=3)
