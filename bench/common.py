@@ -17,6 +17,7 @@ Nothing here runs at import but the shape table: jax, numpy and torch are import
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 import time
 
@@ -169,6 +170,20 @@ class CompileCounter(logging.Handler):
 
     def since(self, start: int) -> list[str]:
         return self.names[start:]
+
+
+COMPILED_LINE = re.compile(r"Finished XLA compilation of (.+?) in ([0-9.eE+-]+) sec")
+CACHE_HIT = "Persistent compilation cache hit"
+
+
+def compile_log_figures(text: str, after: int = 0) -> dict:
+    """From a process's output with ``JAX_LOG_COMPILES=1``: its programs (JAX's "Finished XLA
+    compilation of" lines, a persistent-cache load included), their summed seconds, the cache hits,
+    and the names of the programs written after character ``after`` (e.g. the first step's bar)."""
+    found = list(COMPILED_LINE.finditer(text))
+    late = [m.group(1) for m in found if m.start() >= after] if after else []
+    return {"programs": len(found), "compile_s": sum(float(m.group(2)) for m in found),
+            "hits": text.count(CACHE_HIT), "late": late}
 
 
 def count_compiles() -> CompileCounter:

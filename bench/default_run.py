@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
+
 ROOT = Path(__file__).resolve().parents[1]
-COMPILED = re.compile(r"Finished XLA compilation of (.+?) in ([0-9.eE+-]+) sec")
 FIRST_STEP = re.compile(r"rl:[^\r\n]*\| 1/\d+")
 
 
@@ -37,14 +38,13 @@ def worktree(commit: str, where: Path) -> Path:
 
 
 def figures(log: str, run_dir: Path) -> dict:
-    seconds = [float(m.group(2)) for m in COMPILED.finditer(log)]
     first = FIRST_STEP.search(log)
-    late = len(COMPILED.findall(log[first.end():])) if first else None
-    late_names = sorted({m.group(1) for m in COMPILED.finditer(log[first.end():])}) if first else []
+    compiled = common.compile_log_figures(log, after=first.end() if first else 0)
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()] \
         if (run_dir / "eval.jsonl").is_file() else []
     greedy = [e.get("eval/avg/greedy_acc") for e in evals]
-    return {"programs": len(seconds), "compile_s": sum(seconds), "after_step_1": late, "late_names": late_names,
+    return {"programs": compiled["programs"], "compile_s": compiled["compile_s"],
+            "after_step_1": len(compiled["late"]) if first else None, "late_names": sorted(set(compiled["late"])),
             "greedy_before": greedy[0] if greedy else None, "greedy_after": greedy[-1] if greedy else None}
 
 

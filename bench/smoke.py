@@ -44,9 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
+
 ROOT = Path(__file__).resolve().parents[1]
-COMPILED = re.compile(r"Finished XLA compilation of (.+?) in ([0-9.eE+-]+) sec")
-CACHE_HIT = "Persistent compilation cache hit"
 REALISTIC = ["--before", "none", "--skip-tiny", "--rounds", "1", "--steps", "1"]
 REALISTIC_1_5B = ["--shape", "1.5b", "--dtype", "bfloat16", "--prompts", "8", "--n", "8", "--prompt-min", "235",
                   "--prompt-len", "344", "--gen-len", "1024", "--mini-batch", "32", "--micro", "8"]
@@ -96,12 +96,6 @@ def run(cmd: list[str], log: Path, limit: float, env: dict) -> tuple[float, str]
     wall = time.perf_counter() - start
     print(f"smoke: {status} after {wall:.1f} s", flush=True)
     return wall, status
-
-
-def compile_log(text: str) -> dict:
-    """Programs, persistent-cache hits and compile seconds from JAX's compile log."""
-    seconds = [float(m.group(2)) for m in COMPILED.finditer(text)]
-    return {"programs": len(seconds), "hits": text.count(CACHE_HIT), "compile_s": sum(seconds)}
 
 
 def steady_step(metrics: Path) -> float | None:
@@ -162,7 +156,7 @@ def main(argv=None) -> int:
         wall, status = run([*train, f"--config.run_dir={run_dir}"], log, limit, env)
         text = log.read_text(errors="replace")
         backend = next((line for line in text.splitlines() if line.startswith("backend: ")), backend)
-        rows.append({"what": f"`train` {what}", "wall": wall, "status": status, **compile_log(text),
+        rows.append({"what": f"`train` {what}", "wall": wall, "status": status, **common.compile_log_figures(text),
                      "step": steady_step(run_dir / "metrics.jsonl")})
     shape = REALISTIC_QUICK if args.quick else REALISTIC_1_5B
     log = logs / "smoke_realistic.log"
