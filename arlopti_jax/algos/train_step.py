@@ -160,8 +160,8 @@ class PackedPrograms:
 
     ``programs(*args, arrays)`` runs ``jitted`` on a packed micro-batch's ``arrays`` (the last
     argument). Its first call compiles the pass for every shape of the set at once, from the
-    arguments it was given (their shapes, dtypes and shardings) and ``make_arrays(length, rows)``
-    (an empty micro-batch of that shape, gathered like a real one): lowered one after another, and
+    arguments it was given (their shapes, dtypes and shardings) and ``empty_arrays`` of each shape
+    (gathered from the call's ``tokens`` and ``targets`` like a real one): lowered one after another, and
     compiled in parallel threads (XLA compiles outside Python's lock) or loaded from the persistent
     compilation cache. Later calls dispatch to those executables by shape, so no batch compiles a
     program, whatever the lengths of its responses; a shape outside the set would go through
@@ -175,14 +175,20 @@ class PackedPrograms:
         """The [rows, length] of every micro-batch shape (all devices' rows)."""
         return [(rows * self.num_devices, length) for length, rows in self.shapes.all()]
 
-    def warm_up(self, args: tuple, make_arrays) -> None:
+    def empty_arrays(self, rows: int, length: int, tokens: dict, targets: dict) -> dict[str, np.ndarray]:
+        """The host arrays of an empty micro-batch of ``rows`` (all devices) x ``length``, gathered
+        from the dense ``tokens`` and ``targets`` as a real one is: what each shape compiles from
+        (``aot`` compiles from them too)."""
+        return packing.gather(packing.empty(length, rows, self.num_devices), tokens, targets)
+
+    def warm_up(self, args: tuple, tokens: dict, targets: dict) -> None:
         spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
         fixed = jax.tree.map(spec, args)
         log, name = compiles.watch(), f"jit({self.jitted.__name__})"
         lowered = {}
         for rows, length in self.keys():
             arrays = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.row_sharding)
-                      for k, v in make_arrays(length, rows).items()}
+                      for k, v in self.empty_arrays(rows, length, tokens, targets).items()}
             lowered[(rows, length)] = (self.jitted.lower(*fixed, arrays), log.lowered(name))
 
         def compile_one(item):
@@ -194,10 +200,11 @@ class PackedPrograms:
             done = dict(zip(lowered, pool.map(compile_one, lowered.values())))
         self.compiled.update(done)
 
-    def __call__(self, *args, make_arrays):
+    def __call__(self, *args, tokens: dict, targets: dict):
+        """``tokens`` and ``targets``: the dense host arrays ``arrays`` was gathered from."""
         *fixed, arrays = args
         if not self.compiled:
-            self.warm_up(tuple(fixed), make_arrays)
+            self.warm_up(tuple(fixed), tokens, targets)
         program = self.compiled.get(tuple(arrays["input_ids"].shape), self.jitted)
         return program(*fixed, arrays)
 
@@ -305,13 +312,12 @@ class TrainStep:
         n_tok = np.float32(max(float(batch["response_mask"][rows].sum()), 1.0))
         self.processed.append(packing.summary(micro_batches))
         tokens = {"input_ids": batch["input_ids"]}
-        empty = lambda length, rows: packing.gather(packing.empty(length, rows, self.num_devices), tokens, targets)
         with shd.activate(self.mesh, self.rules):
             acc = self._zeros(params)
             for mb in micro_batches:
                 arrays = packing.gather(mb, tokens, targets)
                 arrays = {k: shd.put(v, self.row_sharding) for k, v in arrays.items()}
-                acc = self.accumulate_programs(params, acc, arrays, make_arrays=empty)
+                acc = self.accumulate_programs(params, acc, arrays, tokens=tokens, targets=targets)
         return acc, n_tok
 
     def run(self, params, opt_state, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
@@ -375,9 +381,7 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
 
     def compute_logprobs(params, batch: dict[str, Any], with_entropy: bool = False):
         dense = _dense_host(batch, ("input_ids", "attention_mask", "response_mask"))
-        ids = {"input_ids": dense["input_ids"]}
-        empty = lambda length, rows: packing.gather(packing.empty(length, rows, num_devices), ids,
-                                                    {"target_ids": ids["input_ids"]})
+        ids, targets = {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]}
         shape = dense["input_ids"].shape
         plan = packing.plan_micro_batches(dense["attention_mask"], dense["response_mask"], np.arange(shape[0]),
                                           tokens_per_device=tokens_per_device, num_devices=shd.batch_divisor(mesh),
@@ -388,9 +392,9 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
         values = []
         with shd.activate(mesh, rules):
             for mb in plan:
-                arrays = packing.gather(mb, {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]})
+                arrays = packing.gather(mb, ids, targets)
                 arrays = {k: shd.put(v, row_sharding) for k, v in arrays.items()}
-                values.append(programs[with_entropy](params, arrays, make_arrays=empty))
+                values.append(programs[with_entropy](params, arrays, tokens=ids, targets=targets))
         values = jax.device_get(values)
         if with_entropy:
             return tuple(packing.scatter_targets(plan, [np.asarray(v[i]) for v in values], shape) for i in (0, 1))

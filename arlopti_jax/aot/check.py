@@ -48,7 +48,6 @@ from arlopti_jax.rl import run_setup
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.aot import hlo, targets
 from arlopti_jax.aot.targets import GIB, Target
-from arlopti_jax.algos import packing
 from arlopti_jax.rollout.sampling import bucket
 
 HEADROOM = 0.95  # of the chip's memory a program may use (XLA reserves some; fragmentation)
@@ -118,10 +117,10 @@ def worst_case_batch(run: run_setup.Run) -> tuple[dict, np.ndarray, list]:
 def micro_batch_arrays(run: run_setup.Run, batch: dict, order: np.ndarray, rows: int, length: int) -> tuple[dict, dict]:
     """The host arrays of a packed micro-batch of ``rows`` x ``length`` (all devices): the update's
     and the log-prob pass's, as the trainer gathers them."""
-    mb = packing.empty(length, rows, run.train_step.num_devices)
-    ids = {"input_ids": batch["input_ids"]}
-    return (packing.gather(mb, ids, run.train_step.targets(batch, order)),
-            packing.gather(mb, ids, {"target_ids": batch["input_ids"]}))
+    step, ids = run.train_step, {"input_ids": batch["input_ids"]}
+    empty = step.accumulate_programs.empty_arrays
+    return (empty(rows, length, ids, step.targets(batch, order)),
+            empty(rows, length, ids, {"target_ids": ids["input_ids"]}))
 
 
 class Compiler:
