@@ -119,8 +119,15 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, model_cfg: Mode
                         rules=shd.DEFAULT_RULES):
     """Shardings of the optimizer state: moments like their parameter, scalars replicated."""
     abstract = jax.eval_shape(optimizer.init, abstract_params(model_cfg))
-    return optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, param_shardings(model_cfg, mesh, rules),
-                                 transform_non_params=lambda _: shd.replicated(mesh))
+    out = []
+
+    def traced():  # optax runs ``init`` on placeholders: traced here, its schedule compiles no eager programs
+        out.append(optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, param_shardings(model_cfg, mesh, rules),
+                                         transform_non_params=lambda _: shd.replicated(mesh)))
+        return 0
+
+    jax.eval_shape(traced)
+    return out[0]
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from arlopti_jax import algos
@@ -56,6 +57,15 @@ def update_metrics(pass_metrics: list[dict], lopti: bool) -> dict[str, float]:
         prefix = f"update/{name}/" if name else "update/"
         out.update({prefix + k: v for k, v in metrics.items()})
     return out
+
+
+def copy_tree(tree):
+    """A copy of every array of ``tree``, in its sharding, by one program (an eager copy compiles one
+    per leaf shape)."""
+    def copy_tree(t):  # named: the compile log shows it
+        return jax.tree.map(jnp.copy, t)
+
+    return jax.jit(copy_tree, out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
 
 
 def quartile_metrics(batch, advantages) -> dict[str, float]:
@@ -99,7 +109,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     ref_params = policy.params if run.use_reference else None  # frozen: never donated
     if restored is None:
         start_step, key = 0, jax.random.key(config.seed)
-        params = jax.tree_util.tree_map(lambda x: x.copy(), policy.params) if ref_params is not None else policy.params
+        params = copy_tree(policy.params) if ref_params is not None else policy.params
         opt_state = algos.init_opt_state(run.optimizer, model_cfg, params, mesh)
     else:
         start_step, state, meta = restored
@@ -185,7 +195,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.lengths, sampled.truncated, n),
                    **sampled.stats, **diagnostics,
                    **update_metrics(pass_metrics, run.lopti_cfg.enabled),
-                   **quartile_metrics(batch, sum(a for a, _ in passes)),
+                   **quartile_metrics(batch, sum(dist.to_host(a) for a, _ in passes)),
                    **{f"time/{k}": v for k, v in seconds.items()},
                    "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
                    "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),

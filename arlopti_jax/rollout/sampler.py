@@ -229,8 +229,8 @@ class Sampler:
         """(temperature, top_p, EOS ids, greedy): the settings the programs read as data."""
         eos = np.full(eos_width(sampling), -1, np.int32)
         eos[: len(sampling.eos_ids)] = sampling.eos_ids
-        return (jnp.float32(sampling.temperature), jnp.float32(sampling.top_p), jnp.asarray(eos),
-                jnp.bool_(sampling.greedy))
+        # host values: a jnp scalar here would be an eager program of its own
+        return np.float32(sampling.temperature), np.float32(sampling.top_p), eos, np.bool_(sampling.greedy)
 
     def start(self, params, batch: PromptBatch, n: int, key: Array, sampling: SamplingConfig,
               stop_at: np.ndarray | None = None) -> DecodeState:
