@@ -4,10 +4,14 @@
     python -m arlopti_jax.tasks.arith --out data/arith                           # once: the problems
     python -m arlopti_jax.train --config=configs/smollm2.py                      # CPU: about 30 minutes
     python -m arlopti_jax.train --config=configs/smollm2.py:gpu,grpo             # one GPU, larger batches
+    python -m arlopti_jax.tasks.arith --out data/arith_addsub20 --ops add,sub --max-operand 20
+    python -m arlopti_jax.train --config=configs/smollm2.py:cpu,grpo,addsub20    # the harder task
 
-The argument is SCALE,VARIANT (both optional):
+The argument is SCALE,VARIANT,TASK (all optional):
   SCALE    cpu (default: 2 CPU cores in about half an hour) | gpu (one accelerator)
   VARIANT  grpo | grpo_ar | grpo_lopti | grpo_ar_lopti (default) | tr_grpo
+  TASK     add9 (default: a + b, operands 2-9, data/arith) | addsub20 (a + b or a - b, operands
+           2-20, data/arith_addsub20: a harder task, where the model starts lower)
 The task and its level were chosen by measuring the model (docs/results/real_model.md): with a worked
 example in the prompt, it answers about 6 in 10 problems right greedily and fewer when
 sampling, so groups of 8 samples hold both right and wrong answers. The held-out test
@@ -21,19 +25,21 @@ VARIANTS = {  # (weighting, ar alpha, lopti eta): the paper's values, as in conf
     "grpo_ar_lopti": ("ar", 0.3, 0.5), "tr_grpo": ("tr", 0.0, 0.0),
 }
 SCALES = ("cpu", "gpu")
+TASKS = {"add9": "data/arith", "addsub20": "data/arith_addsub20"}  # the folder of each task's problems
 
 
 def get_config(arg: str = "cpu,grpo_ar_lopti"):
-    scale, _, variant = arg.partition(",")
-    variant = variant or "grpo_ar_lopti"
-    if scale not in SCALES or variant not in VARIANTS:
-        raise ValueError(f"configs/smollm2.py:{arg}: expected SCALE,VARIANT with SCALE in {list(SCALES)} and "
-                         f"VARIANT in {sorted(VARIANTS)} (e.g. cpu,grpo_ar_lopti)")
+    parts = arg.split(",")
+    scale, variant, task = (parts + ["", ""])[:3]
+    variant, task = variant or "grpo_ar_lopti", task or "add9"
+    if len(parts) > 3 or scale not in SCALES or variant not in VARIANTS or task not in TASKS:
+        raise ValueError(f"configs/smollm2.py:{arg}: expected SCALE,VARIANT,TASK with SCALE in {list(SCALES)}, "
+                         f"VARIANT in {sorted(VARIANTS)} and TASK in {list(TASKS)} (e.g. cpu,grpo_ar_lopti)")
     c = base_config()
-    c.run_dir = f"runs/smollm2_{scale}_{variant}"
+    c.run_dir = f"runs/smollm2_{scale}_{variant}" + ("" if task == "add9" else f"_{task}")
     c.model.path = "models/smollm2-135m"
-    c.data.train_files = "data/arith/train.parquet"
-    c.data.test_files = "data/arith/test.parquet"
+    c.data.train_files = f"{TASKS[task]}/train.parquet"
+    c.data.test_files = f"{TASKS[task]}/test.parquet"
     c.data.prompt_style = "messages"
     c.data.max_prompt_length = 128
     c.rollout.n = 8

@@ -141,7 +141,8 @@ def world(tmp_path_factory):
     from arlopti_jax.tasks import arith
 
     for split, rows in zip(("train", "test"), arith.generate(64, 64)):
-        arith.write_parquet(rows, root / "data" / "arith" / f"{split}.parquet")
+        for task in ("arith", "arith_addsub20"):
+            arith.write_parquet(rows, root / "data" / task / f"{split}.parquet")
     _stand_in_tokenizer(root / "data").save_pretrained(model)  # start-ups tokenize the prompts
     (root / "pairs.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "response": sft_target(r)}) + "\n"
                                               for r in kk))
