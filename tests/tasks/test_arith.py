@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -129,3 +130,21 @@ def test_two_step_problems_chain_both_operations_hold_out_operand_triples_and_an
     assert all(two_step(r["extra_info"]["question"])[1] == (False, False) for r in only_add)
     with pytest.raises(ValueError, match="steps 3: choose 1 or 2"):
         arith.generate(1, 1, steps=3)
+
+
+def test_the_harder_sweep_scale_writes_its_own_task(tmp_path, monkeypatch):
+    """--scale smollm2-addsub20: its config reads the harder task's files, and its start point holds
+    that task's problems (addition and subtraction, operands 2-20), not the one-step default's."""
+    from arlopti_jax.experiments import sweep
+    from arlopti_jax.models import gguf
+
+    assert sweep.base_config("smollm2-addsub20").data.train_files == "data/arith_addsub20/train.parquet"
+    monkeypatch.setattr(gguf, "package_gguf", lambda package: tmp_path / "unused.gguf")
+    monkeypatch.setattr(gguf, "convert", lambda gguf_path, out: Path(out).mkdir(parents=True))  # the data alone
+    folder = sweep.pretrained_start_point(tmp_path / "start_point", "smollm2-addsub20")
+    rows = pq.read_table(folder / "data" / "train.parquet").to_pylist()
+    found = [operands(r["extra_info"]["question"]) for r in rows]
+    assert {op for *_, op in found} == {"add", "sub"} and max(max(a, b) for a, b, _ in found) == 20
+    assert all(r["reward_model"]["ground_truth"] == str(a + b if op == "add" else a - b)
+               for r, (a, b, op) in zip(rows, found))
+    assert len(rows) == 2000 and len(pq.read_table(folder / "data" / "test_arith.parquet")) == 128
