@@ -46,7 +46,7 @@ SFT_FIELD_DOCS = {
     "out_dir": "the Hugging Face folder to write",
     "seed": "data order seed (and the start point's, with `tiny`)",
     "compile_cache_dir": "JAX's persistent compilation cache (`\"\"` = off), as the trainer's field",
-    "model.path": "local Hugging Face folder to fine-tune",
+    "model.path": "local Hugging Face folder to fine-tune, or a Hub id `ORG/NAME[@REVISION]` (the Hugging Face cache)",
     "model.dtype": "activation dtype (`float32`, `bfloat16`)",
     "model.param_dtype": "weight dtype",
     "model.remat": "rematerialise each layer in the backward pass",
@@ -75,7 +75,7 @@ def main(argv) -> int:
 
     from arlopti_jax.runtime import chips
     from arlopti_jax.runtime import sharding as shd
-    from arlopti_jax.models import load_pretrained, save_pretrained
+    from arlopti_jax.models import ModelConfig, hub, load_pretrained, save_pretrained
     from arlopti_jax.finetune.supervised import batch_schedule, read_pairs, tokenize_pairs, train_sft
     from arlopti_jax.tasks.data import resolve_data_files
 
@@ -92,16 +92,26 @@ def main(argv) -> int:
     if not cfg.model.path or not cfg.data.files:
         print("error: set --config.model.path and --config.data.files (or --config.tiny=True)", file=sys.stderr)
         return 2
-    if not (Path(cfg.model.path) / "config.json").is_file():
+    try:
+        model_path = hub.resolve(cfg.model.path)  # a folder, or a Hub id's snapshot
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not (model_path / "config.json").is_file():
         print(f"error: config.model.path={cfg.model.path}: not a Hugging Face model folder (no config.json)",
               file=sys.stderr)
+        return 2
+    try:
+        ModelConfig.from_pretrained(model_path)  # an architecture this project does not implement stops here
+    except ValueError as err:
+        print(f"error: config.model.path={cfg.model.path}: {err}", file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
 
     # the data is read, tokenized and scheduled at start-up: a missing file or column, a prompt that
     # cannot be rendered or too few rows for one batch stops here, in one line
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         data = tokenize_pairs(read_pairs(resolve_data_files(cfg.data.files.split(","))), tokenizer,
                               cfg.data.max_length)
     except (FileNotFoundError, ValueError) as err:
@@ -116,11 +126,11 @@ def main(argv) -> int:
     chips.print_backend()
     startup_done(COMMAND.name)
     mesh = shd.make_mesh({"fsdp": -1})
-    model_cfg, params = load_pretrained(cfg.model.path, mesh=mesh, dtype=cfg.model.dtype,
+    model_cfg, params = load_pretrained(model_path, mesh=mesh, dtype=cfg.model.dtype,
                                         param_dtype=cfg.model.param_dtype, remat=cfg.model.remat)
     params, losses = train_sft(model_cfg, params, data, schedule, lr=cfg.train.lr, warmup=cfg.train.warmup,
                                weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip, mesh=mesh)
-    save_pretrained(model_cfg, params, out, tokenizer_dir=cfg.model.path)
+    save_pretrained(model_cfg, params, out, tokenizer_dir=model_path)
     print(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; wrote {out}")
     return 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from arlopti_jax.models import ModelConfig
+from arlopti_jax.models import ModelConfig, hub
 
 # Qwen2.5's config.json values: hidden, intermediate, layers, attention heads, kv heads, vocabulary
 # (151936 up to 3B, 152064 from 7B), tied embeddings up to 3B; rope theta 1e6, qkv biases.
@@ -53,8 +53,15 @@ def for_config(config) -> tuple[ModelConfig, tuple[int, ...], int, str]:
 
         cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"]).replace(**numerics)
         return cfg, (2,), 0, "the embedded start point's shape (vocabulary 1024)"
+    try:  # a Hub id: its config and tokenizer from the Hub cache (or the Hub), not its weights
+        path = hub.resolve(m.path, weights=False)
+    except FileNotFoundError:  # none in reach: a Qwen2.5 size in its name still gives the shape
+        pass
     if (path / "config.json").is_file():
-        cfg = run_setup.model_config(config, path)
+        try:
+            cfg = run_setup.model_config(config, path)
+        except ValueError as err:
+            raise ValueError(f"config.model.path={m.path}: {err}") from None
         eos, pad = cfg.eos_token_id, 0
         eos = tuple(eos) if isinstance(eos, (tuple, list)) else ((eos,) if eos is not None else (0,))
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():

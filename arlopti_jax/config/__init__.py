@@ -170,7 +170,8 @@ FIELD_DOCS = {
                          "all hosts share lets every host reuse them, e.g. `gs://bucket/jax_cache` with gcsfs "
                          "installed); `\"\"` = off",
     "model.path": "local Hugging Face folder (config.json, tokenizer, safetensors, optional "
-                  "generation_config.json); `\"\"` = the embedded start point",
+                  "generation_config.json), or a Hub id `ORG/NAME[@REVISION]` read through the Hugging Face "
+                  "cache (`HF_HOME`, `HF_HUB_OFFLINE`); `\"\"` = the embedded start point",
     "model.dtype": "activation dtype (`float32`, `bfloat16`); log-probs and losses are float32",
     "model.param_dtype": "weight dtype, and so the AdamW state's",
     "model.remat": "rematerialise each layer in the backward pass",

@@ -25,7 +25,7 @@ from arlopti_jax import algos
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.store.checkpoint import Checkpointer
-from arlopti_jax.models import ModelConfig, abstract_params, load_params, param_shardings
+from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, param_shardings
 from arlopti_jax.rollout import Sampler, SamplingConfig
 from arlopti_jax.tasks.data import BatchIterator, PromptDataset, resolve_data_files
 
@@ -45,7 +45,8 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True) ->
     start point (built once, in the run folder's parent) supplies all three. With several
     processes, process 0 builds it on its own devices while the others wait (the folder must be
     shared, or built beforehand on every host). Evaluation passes ``need_train=False`` (no
-    training files are read). A missing path raises FileNotFoundError naming it."""
+    training files are read). ``model.path`` may be a Hugging Face Hub id (``models.hub``). A
+    missing path raises FileNotFoundError naming it."""
     model = config.model.path
     train, test = config.data.train_files, config.data.test_files
     if not model:
@@ -61,10 +62,16 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True) ->
         model = str(sp / "model")
         train = train or str(sp / "data" / "train.parquet")
         test = test or ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
+    else:
+        model = str(hub.resolve(model))  # a folder, or a Hub id's snapshot
     if not train and need_train:
         raise ValueError("config.data.train_files is empty: name the training files or folders")
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"config.model.path={model}: not a Hugging Face model folder (no config.json)")
+    try:
+        ModelConfig.from_pretrained(model)  # an architecture this project does not implement stops here
+    except ValueError as err:
+        raise ValueError(f"config.model.path={config.model.path or model}: {err}") from None
 
     def files(field, value):
         try:
