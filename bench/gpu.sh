@@ -5,6 +5,8 @@
 #   bash bench/gpu.sh smoke       # FIRST on a lent GPU (at most 8 minutes): the README's default cold (empty
 #                                 # compile cache) and warm, and the 1.5B realistic RL step: one table
 #                                 # (wall s, programs, compile s, steady step s) in $OUT/smoke.md
+#   bash bench/gpu.sh autotune    # issue 46: the cold default again with XLA:GPU's autotuning off
+#                                 # (--xla_gpu_autotune_level=0): its compile s and steady step beside smoke's
 #   bash bench/gpu.sh calibrate   # issue 32: decode ms per step and train MFU at the compiled shapes, to set
 #                                 # beside the compile-only figures of docs/measurements/journal.md (same card, same shapes)
 #   bash bench/gpu.sh shared      # issue 29: the shared-prefix exactness tests on the GPU (float32, highest
@@ -57,8 +59,13 @@ case "${1:-}" in
   setup) setup ;;
   smoke)
     setup
-    # bench/smoke.py runs the three itself (each with JAX_LOG_COMPILES=1 under its own limit: 150, 90, 220 s)
-    run smoke 480 bench/smoke.py --logs "$LOGS"
+    # bench/smoke.py runs the three itself (each with JAX_LOG_COMPILES=1 under its own limit: 180, 90, 220 s)
+    run smoke 520 bench/smoke.py --logs "$LOGS"
+    ;;
+  autotune)
+    setup
+    run autotune0 180 bench/smoke.py --logs "$LOGS/autotune0" --runs cold --limits 170,1,1 \
+      --xla-flags=--xla_gpu_autotune_level=0
     ;;
   decode)
     setup
@@ -137,5 +144,5 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|smoke|calibrate|shared|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh {setup|smoke|autotune|calibrate|shared|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
 esac
