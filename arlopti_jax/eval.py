@@ -71,8 +71,10 @@ def main(argv) -> int:
         return 2
     startup_done(COMMAND.name)
     policy = run_setup.load_policy(config, mesh, model_path)
+    sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], policy.tokenizer) for f in test_files}
     run = run_setup.assemble(config, mesh, policy.model_cfg, eos_ids=run_setup.eos_ids(policy),
-                             pad_id=run_setup.pad_id(policy), total_steps=max(1, config.train.max_steps))
+                             pad_id=run_setup.pad_id(policy), total_steps=max(1, config.train.max_steps),
+                             prompt_width=run_setup.longest_prompt(sets.values()))
     params, label = policy.params, str(model_path)
     if flags.FLAGS.checkpoint:
         from arlopti_jax.store.checkpoint import Checkpointer
@@ -82,7 +84,6 @@ def main(argv) -> int:
         state, _ = ckpt.restore(int(folder.name), run.state)
         ckpt.close()
         params, label = state["params"], str(folder)
-    sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], policy.tokenizer) for f in test_files}
     evaluator = Evaluator(config, run, policy.tokenizer, sets, load_reward_fn(config.reward.fn or None))
     start = time.time()
     generations = None

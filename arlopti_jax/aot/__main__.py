@@ -7,8 +7,11 @@ The config is read as ``train`` reads it (the same file, the same ``--config.<fi
 overrides) and the run is assembled as ``train`` assembles it, on a mesh of the target's
 compile-only devices: the programs compiled are the ones ``train`` would run there, for the
 worst case of the config's shapes (every prompt and response at its longest). No weights are
-read and nothing is allocated; the model's shape comes from ``model.path``'s config.json, or,
-when that folder is not on this machine, from its Qwen2.5 size (``arlopti_jax/aot/shapes.py``).
+read and nothing is allocated; the model's shape comes from ``model.path``'s config.json (the
+embedded default's: its start point's, once ``train`` has built it; before that, its declared
+shape), or, when that folder is not on this machine, from its Qwen2.5 size
+(``arlopti_jax/aot/shapes.py``). The sampler's prompt width is the longest prompt of the data,
+as ``train`` pads it, when the data and the tokenizer are here; else ``data.max_prompt_length``.
 
 Per program it prints the compile time, the per-device memory the compiler assigned
 (arguments, outputs, temporaries, aliased), the step's per-device peak with the resident

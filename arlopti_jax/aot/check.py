@@ -16,9 +16,12 @@ The packed passes (log-probs, accumulate) compile for every shape of the run's s
 (``packing.Shapes``: what ``train`` compiles with its first batch) on ``local``, or for the
 shape of the step's memory peak alone on a compile-only target unless ``all_shapes``.
 
-Batches are the worst case: every prompt at ``data.max_prompt_length`` and every response at
-``rollout.max_response_length``, packed by the trainer's own packer (the micro-batch shape of
-the step's memory peak; shorter sequences pack into the same budget or a smaller shape).
+The sampler's prompt width is the run's: that of the longest prompt of the config's data when the
+model's tokenizer and the data files are on this machine (``data_prompt_width``), as ``train``
+pads every batch; else ``data.max_prompt_length``. Batches are the worst case: every prompt at
+``data.max_prompt_length`` and every response at ``rollout.max_response_length``, packed by the
+trainer's own packer (the micro-batch shape of the step's memory peak; shorter sequences pack
+into the same budget or a smaller shape).
 
 Per program: compile seconds, the compiler's per-device memory (arguments, outputs,
 temporaries, aliased), flops and bytes accessed (XLA:TPU's cost analysis; on a GPU, which reports
@@ -213,6 +216,19 @@ def model_shape(config) -> tuple:
 GROUPS = ("rollout", "logprobs", "update")
 
 
+def data_prompt_width(config) -> int:
+    """The longest prompt of the config's training and test data, as ``train`` finds it (the model's
+    tokenizer, ``data.max_prompt_length``'s filter), or 0 when the model folder (the embedded start
+    point's too: it is not built here) or the data are not on this machine."""
+    try:
+        model_path, train_files, test_files = run_setup.resolve_paths(config, build=False)
+        tokenizer = run_setup.load_tokenizer(model_path)
+        return run_setup.longest_prompt(run_setup.prompt_dataset(config, files, tokenizer)
+                                        for files in [train_files, *([f] for f in test_files)])
+    except (FileNotFoundError, ValueError, OSError):
+        return 0
+
+
 def prepare(config, target: Target):
     """(mesh, model shape) of ``config`` on ``target``: the config validated for its device count,
     the layout for its hosts (ConfigError: tensor parallelism across hosts, a batch the processes do
@@ -235,8 +251,10 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     alone. Default: all for ``local``, the peak's for a compile-only target."""
     all_shapes = target.name == "local" if all_shapes is None else all_shapes
     mesh, (model_cfg, eos, pad, source) = prepare(config, target)
+    width = data_prompt_width(config)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=eos, pad_id=pad,
-                             total_steps=max(1, config.train.max_steps))
+                             total_steps=max(1, config.train.max_steps), prompt_width=width)
+    longest = width or config.data.max_prompt_length
     params, opt_state = run.state["params"], run.state["opt_state"]
     resident = shard_bytes(params) * (2 if run.use_reference else 1) + shard_bytes(opt_state)
     dump = Path(tempfile.mkdtemp(prefix="arlopti_aot_")) if target.platform == "gpu" else None
@@ -250,13 +268,12 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     try:
         compiler.group = "rollout"
         if "rollout" in groups:
-            run.sampler.programs(params, c.train.batch_prompts, c.data.max_prompt_length, c.rollout.n,
-                                 run.sampling(), compiler)
+            run.sampler.programs(params, c.train.batch_prompts, longest, c.rollout.n, run.sampling(), compiler)
         if eval_programs:
             compiler.group = "eval"
             cap = c.train.batch_prompts * c.rollout.n
-            run.sampler.programs(params, cap, c.data.max_prompt_length, 1, run.sampling(greedy=True), compiler)
-            run.sampler.programs(params, max(1, cap // c.train.eval_n), c.data.max_prompt_length, c.train.eval_n,
+            run.sampler.programs(params, cap, longest, 1, run.sampling(greedy=True), compiler)
+            run.sampler.programs(params, max(1, cap // c.train.eval_n), longest, c.train.eval_n,
                                  run.sampling(temperature=c.train.eval_temperature), compiler)
         batch, order, plan = worst_case_batch(run)
         step = run.train_step
@@ -307,7 +324,7 @@ def report(config, target: Target, run, programs: list[Program], resident: int, 
         "mesh": {k: int(v) for k, v in run.mesh.shape.items()},
         "processes": len({d.process_index for d in run.mesh.devices.flat}),
         "batch": {"prompts": c.train.batch_prompts, "n": c.rollout.n,
-                  "prompt_slots": bucket(c.data.max_prompt_length, c.rollout.prompt_bucket),
+                  "prompt_slots": run.sampling().width(run.prompt_width or c.data.max_prompt_length),
                   "response": c.rollout.max_response_length, "mini_batch": c.train.mini_batch,
                   "tokens_per_device": run.tokens_per_device, "micro_batches_per_mini_batch": len(plan),
                   "optimizer_steps_per_rl_step": run_setup.optimizer_steps_per_rl_step(c)},

@@ -47,16 +47,20 @@ def for_config(config) -> tuple[ModelConfig, tuple[int, ...], int, str]:
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, unroll_layers=m.unroll_layers,
                     attention=m.get("attention", "auto"))
-    path = Path(m.path) if m.path else None
-    if path is None:
-        from arlopti_jax.embedded.start_point import SCALES, model_config
+    if not m.path:  # the embedded start point: its own folder once built, as train reads it
+        try:
+            path = run_setup.resolve_paths(config, need_train=False, build=False)[0]
+        except FileNotFoundError:
+            from arlopti_jax.embedded.start_point import SCALES, model_config
 
-        cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"]).replace(**numerics)
-        return cfg, (2,), 0, "the embedded start point's shape (vocabulary 1024)"
-    try:  # a Hub id: its config and tokenizer from the Hub cache (or the Hub), not its weights
-        path = hub.resolve(m.path, weights=False)
-    except FileNotFoundError:  # none in reach: a Qwen2.5 size in its name still gives the shape
-        pass
+            cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"]).replace(**numerics)
+            return cfg, (2,), 0, "the embedded start point's shape before it is built (vocabulary 1024)"
+    else:
+        path = Path(m.path)
+        try:  # a Hub id: its config and tokenizer from the Hub cache (or the Hub), not its weights
+            path = hub.resolve(m.path, weights=False)
+        except FileNotFoundError:  # none in reach: a Qwen2.5 size in its name still gives the shape
+            pass
     if (path / "config.json").is_file():
         try:
             cfg = run_setup.model_config(config, path)

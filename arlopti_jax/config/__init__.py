@@ -194,7 +194,8 @@ FIELD_DOCS = {
     "rollout.top_p": "nucleus sampling (1 = off)",
     "rollout.top_k": "top-k sampling (0 = off)",
     "rollout.max_response_length": "response tokens, EOS included",
-    "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this)",
+    "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this) of the longest prompt "
+                             "in the run's data: one prompt width per run",
     "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler",
     "rollout.length_aware": "decode cost follows the responses' real lengths: the KV cache grows in phases and "
                             "finished rows are dropped from the batch; False = every step over all slots and rows "

@@ -101,7 +101,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
 
     steps = run_setup.total_steps(config, iterator)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=run_setup.eos_ids(policy),
-                             pad_id=run_setup.pad_id(policy), total_steps=steps)
+                             pad_id=run_setup.pad_id(policy), total_steps=steps, prompt_width=inputs.longest_prompt)
     train_step = run.train_step
 
     ckpt = run_setup.checkpointer(config)

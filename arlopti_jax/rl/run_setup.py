@@ -40,30 +40,35 @@ class Policy:
     model_path: Path
 
 
-def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True) -> tuple[Path, list[Path], list[Path]]:
+def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
+                  build: bool = True) -> tuple[Path, list[Path], list[Path]]:
     """(model folder, train files, test files). With no model path, the embedded default's
     start point (built once, in the run folder's parent) supplies all three. With several
     processes, process 0 builds it on its own devices while the others wait (the folder must be
     shared, or built beforehand on every host). Evaluation passes ``need_train=False`` (no
     training files are read). ``model.path`` may be a Hugging Face Hub id (``models.hub``). A
-    missing path raises FileNotFoundError naming it."""
+    missing path raises FileNotFoundError naming it. ``build=False`` (``aot``): neither build the
+    start point nor fetch a Hub model's weights; a start point not built yet is a missing path."""
     model = config.model.path
     train, test = config.data.train_files, config.data.test_files
     if not model:
         from arlopti_jax.embedded.start_point import ensure_start_point
 
         sp = Path(config.run_dir).absolute().parent / "start_point"
-        if jax.process_index() == 0:
+        if not build and not (sp / "model").is_dir():
+            raise FileNotFoundError(f"the embedded start point is not built yet ({sp})")
+        if build and jax.process_index() == 0:
             try:
                 ensure_start_point(sp, seed=0)
             except (ValueError, OSError) as err:  # a fault of the build, not a bad path: keep its traceback
                 raise RuntimeError(f"building the embedded start point in {sp} failed") from err
-        dist.barrier("arlopti_start_point")
+        if build:
+            dist.barrier("arlopti_start_point")
         model = str(sp / "model")
         train = train or str(sp / "data" / "train.parquet")
         test = test or ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
     else:
-        model = str(hub.resolve(model))  # a folder, or a Hub id's snapshot
+        model = str(hub.resolve(model, weights=build))  # a folder, or a Hub id's snapshot
     if not train and need_train:
         raise ValueError("config.data.train_files is empty: name the training files or folders")
     if not (Path(model) / "config.json").is_file():
@@ -131,13 +136,15 @@ def pad_id(policy: Policy) -> int:
 
 
 def sampling_config(config, eos: tuple[int, ...], pad: int, *, greedy: bool = False,
-                    temperature: float | None = None) -> SamplingConfig:
-    """The rollout's sampling settings (``temperature`` replaces rollout.temperature, for evaluation)."""
+                    temperature: float | None = None, prompt_width: int = 0) -> SamplingConfig:
+    """The rollout's sampling settings (``temperature`` replaces rollout.temperature, for evaluation;
+    ``prompt_width``: the run's longest prompt, ``Inputs.longest_prompt``)."""
     r = config.rollout
     return SamplingConfig(max_response_len=r.max_response_length,
                           temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                           top_k=r.top_k, greedy=greedy, eos_ids=eos, pad_id=pad, prompt_bucket=r.prompt_bucket,
-                          length_aware=r.length_aware, phase_tokens=r.phase_tokens, min_rows=r.min_rows)
+                          prompt_width=prompt_width, length_aware=r.length_aware, phase_tokens=r.phase_tokens,
+                          min_rows=r.min_rows)
 
 
 def make_mesh(config, devices=None):
@@ -169,6 +176,18 @@ class Inputs:
     tokenizer: object
     iterator: BatchIterator
     test_sets: dict[str, PromptDataset]
+
+    @property
+    def longest_prompt(self) -> int:
+        """The run's prompt width (``longest_prompt``) over its training and test prompts."""
+        return longest_prompt([self.iterator.dataset, *self.test_sets.values()])
+
+
+def longest_prompt(datasets) -> int:
+    """Tokens of the longest prompt of ``datasets``: a run passes it to ``assemble`` and its sampler
+    pads every batch to that prompt's bucket, so its rollouts and evaluations share one prompt width
+    and a later batch of longer prompts compiles no new program."""
+    return max(len(row["prompt_ids"]) for data in datasets for row in data.rows)
 
 
 def prepare_inputs(config) -> Inputs:
@@ -286,10 +305,12 @@ class Run:
     train_step: algos.TrainStep
     logprobs: Callable  # ``make_compute_logprobs``: reference and recomputed pi_old passes
     state: dict  # the checkpointed state's abstract arrays: params, opt_state, rng
+    prompt_width: int  # every rollout's and evaluation's prompts are padded as if this long (``Inputs``)
 
     def sampling(self, *, greedy: bool = False, temperature: float | None = None) -> SamplingConfig:
         """The rollout's sampling settings; evaluation's with ``greedy`` or its ``temperature``."""
-        return sampling_config(self.config, self.eos_ids, self.pad_id, greedy=greedy, temperature=temperature)
+        return sampling_config(self.config, self.eos_ids, self.pad_id, greedy=greedy, temperature=temperature,
+                               prompt_width=self.prompt_width)
 
     @property
     def use_reference(self) -> bool:
@@ -298,9 +319,11 @@ class Run:
 
 
 def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], pad_id: int,
-             total_steps: int) -> Run:
+             total_steps: int, prompt_width: int = 0) -> Run:
     """The run's objects and programs for ``config`` on ``mesh`` (nothing is compiled or allocated
-    here: the programs compile on first use, or ahead of time through ``aot``)."""
+    here: the programs compile on first use, or ahead of time through ``aot``). ``prompt_width``:
+    the longest prompt of the run's data (``longest_prompt``; ``aot`` without the data:
+    ``data.max_prompt_length``; 0: each batch pads to its own)."""
     adv, weights, lopti, loss = algo_configs(config)
     optimizer = make_optimizer(config, total_steps)
     shapes = pack_shapes(config, mesh)
@@ -315,7 +338,7 @@ def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], 
                logprobs=algos.make_compute_logprobs(model_cfg, mesh, temperature=config.rollout.temperature,
                                                     tokens_per_device=tokens, chunk_size=chunk,
                                                     shared_prefix=config.train.shared_prefix, shapes=shapes),
-               state=abstract_state(model_cfg, optimizer, mesh))
+               state=abstract_state(model_cfg, optimizer, mesh), prompt_width=prompt_width)
 
 
 def checkpointer(config) -> Checkpointer:

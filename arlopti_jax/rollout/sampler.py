@@ -40,7 +40,8 @@ function of (key, t, r) alone: a sample's draws are the same however the batch i
 compacted or sharded, so both paths give the same tokens, and a run is reproducible from
 its key on any mesh.
 
-Compiled programs: prefill and start per (prompt bucket, batch bucket); one decode loop per
+Compiled programs: prefill and start per (prompt bucket, batch bucket), the prompt bucket being
+one per run when it passes ``SamplingConfig.prompt_width`` (``train`` and ``eval`` do); one decode loop per
 (rows per device, cache slots) pair met (at most len(phase_ends) x the row buckets: the
 batch's rows per device, then the powers of two below it down to ``min_rows``); one compact
 per (row bucket above the smallest, phase) met, one grow per (row bucket, phase before the
@@ -187,7 +188,7 @@ class Sampler:
         rows = batch_rows(max(total, pad_to), sampling, div)
         per = div // procs  # every process holds the same number of rows, whole shards
         local = max(rows // procs, -(-count // per) * per)
-        return bucket(longest, sampling.prompt_bucket), local * procs, local
+        return sampling.width(longest), local * procs, local
 
     def process_share(self, num_prompts: int, sampling: SamplingConfig, pad_to: int = 0) -> slice:
         """This process's prompts of a global list of ``num_prompts``, chosen so the global
@@ -321,7 +322,7 @@ class Sampler:
         returns its outputs as abstract values. Nothing is allocated (``arlopti_jax.aot``)."""
         div = self.devices
         b = batch_rows(prompts, sampling, div)
-        p, r = bucket(longest, sampling.prompt_bucket), sampling.max_response_len
+        p, r = sampling.width(longest), sampling.max_response_len
         rows2, rows1, rep = (shd.batch_sharding(self.mesh, 2), shd.batch_sharding(self.mesh, 1),
                              shd.replicated(self.mesh))
         spec = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)

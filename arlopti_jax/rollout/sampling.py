@@ -38,6 +38,10 @@ class SamplingConfig:
     pad_id            written after a sample finishes (mask 0) and used for prompt padding.
     prompt_bucket     prompt length is padded to min(next power of two, next multiple
                       of prompt_bucket): one compiled shape per bucket, not per batch.
+    prompt_width      every batch is padded as if its longest prompt had at least this many
+                      tokens (a run passes its data's longest prompt: one prompt width, one
+                      set of programs for the whole run, whatever each batch holds); 0: each
+                      batch's own.
     batch_bucket      the number of prompts is padded likewise (then to a multiple of
                       the mesh's data x fsdp size); padding rows are dropped from the output.
     length_aware      decode cost follows the responses' real lengths: phases whose KV cache
@@ -62,6 +66,7 @@ class SamplingConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_bucket: int = 64
+    prompt_width: int = 0
     batch_bucket: int = 8
     length_aware: bool = True
     phase_tokens: int = 0
@@ -76,6 +81,7 @@ class SamplingConfig:
             "top_k": self.top_k >= 0,
             "pad_id": self.pad_id >= 0,
             "prompt_bucket": self.prompt_bucket >= 1,
+            "prompt_width": self.prompt_width >= 0,
             "batch_bucket": self.batch_bucket >= 1,
             "phase_tokens": self.phase_tokens >= 0,
             "min_rows": self.min_rows >= 1,
@@ -91,6 +97,10 @@ class SamplingConfig:
         """The settings that change the compiled program (the rest, ``greedy`` included, are traced
         values: greedy evaluation and sampling share the sampler's programs)."""
         return (self.top_k, self.top_p < 1.0, self.pad_id)
+
+    def width(self, longest: int) -> int:
+        """The padded prompt width of a batch whose longest prompt has ``longest`` tokens."""
+        return bucket(max(longest, self.prompt_width), self.prompt_bucket)
 
     def phase_ends(self) -> tuple[int, ...]:
         """Response slots of each decode phase's cache: phase_tokens, doubling while the

@@ -1,7 +1,9 @@
 """What a run compiles is what ``aot --target=local`` lists: the packed passes' programs of every
 shape of the run's set, compiled with the first batch, and nothing more for the packed passes over
-later batches of other lengths."""
+later batches of other lengths; the sampler's programs at the run's one prompt width, whatever the
+longest prompt of each batch."""
 
+import collections
 import re
 
 import pytest
@@ -9,10 +11,12 @@ from run_fixtures import make_config, overrides
 
 from arlopti_jax.aot import targets
 from arlopti_jax.aot.check import check
+from arlopti_jax.rl import run_setup
 from arlopti_jax.rl.loop import train
 from arlopti_jax.runtime import compiles
 
 PACKED = {"jit(accumulate)": "accumulate", "jit(logprobs)": "log-probs"}
+SAMPLER = ("prefill", "start", "decode", "compact", "grow", "scatter")
 
 
 def _rows_by_length(shapes: str) -> str:
@@ -23,15 +27,25 @@ def _rows_by_length(shapes: str) -> str:
 
 
 @pytest.mark.slow  # about 2 minutes on 2 cores: aot compiles the run's programs, then 4 RL steps
-def test_train_compiles_the_packed_programs_aot_lists(start_point, tmp_path):
+def test_train_compiles_the_programs_aot_lists(start_point, tmp_path):
     # 1,280 tokens per device: rows of 576 and 320 tokens, 5 shapes (1 row per device would leave one)
+    # prompt widths bucketed by 8 tokens: the start point's prompts (81-111 tokens) span 4 buckets, so
+    # batches of 4 prompts have longest prompts in different buckets
     values = overrides(start_point, tmp_path / "run", **{"train.max_steps": 4, "train.save_every": 100,
                                                           "rollout.max_response_length": 16, "rollout.n": 4,
                                                           "train.max_tokens_per_micro_batch": 1280,
-                                                          "train.pack_row_lengths": 2})
-    record = check(make_config(values), targets.get("local"), groups=("logprobs", "update"))
+                                                          "train.pack_row_lengths": 2, "rollout.prompt_bucket": 8})
+    record = check(make_config(values), targets.get("local"), groups=("rollout", "logprobs", "update"))
     listed = sorted(p["name"] for p in record["programs"] if p["name"].split()[0] in PACKED.values())
     assert any(name.startswith("log-probs") for name in listed) and len(listed) == 10, listed
+    width = record["batch"]["prompt_slots"]
+    sampler_listed = collections.Counter(p["name"].split()[0] for p in record["programs"] if p["group"] == "rollout")
+
+    batches = run_setup.prepare_inputs(make_config(values)).iterator  # the run's 4 batches
+    data_longest = max(len(row["prompt_ids"]) for row in batches.dataset.rows)
+    assert width == -(-data_longest // 8) * 8  # under 128: the multiple of 8, not the power of two
+    longest = {max(len(row["prompt_ids"]) for row in next(batches)) for _ in range(4)}
+    assert len({-(-n // 8) for n in longest}) > 1, longest  # alone, they would take several prompt widths
 
     log = compiles.watch()
     mark = log.programs
@@ -39,5 +53,13 @@ def test_train_compiles_the_packed_programs_aot_lists(start_point, tmp_path):
     records = log.since(mark)
     compiled = sorted(f"{PACKED[r.name]} {_rows_by_length(r.shapes)}" for r in records if r.name in PACKED)
     assert compiled == listed  # each listed program once, none other
+
+    # the sampler: one prefill, at the width aot lists (the data's longest prompt's), whatever each
+    # batch's longest prompt; no kind of program more often than listed
+    prefills = [r.shapes for r in records if r.name == "jit(prefill)"]
+    assert [_rows_by_length(shapes).split("x")[1] for shapes in prefills] == [str(width)], prefills
+    sampler_compiled = collections.Counter(r.name[4:-1] for r in records if r.name[4:-1] in SAMPLER)
+    assert all(sampler_compiled[kind] <= sampler_listed[kind] for kind in sampler_compiled), (sampler_compiled,
+                                                                                           sampler_listed)
     programs, seconds, _ = summary["compile"]  # the summary counts what the log holds
     assert programs == len(records) and seconds == pytest.approx(sum(r.seconds for r in records))

@@ -250,6 +250,23 @@ def test_buckets_bound_the_compiled_shapes(policy):
     assert batch.ids.shape == (8, 4) and batch.mask[5:].sum() == 3  # pad rows hold one token
 
 
+@pytest.mark.parametrize("kw", [dict(greedy=True), dict(temperature=0.9, top_k=20)], ids=["greedy", "sampled"])
+def test_a_run_wide_prompt_width_samples_what_each_batch_width_samples(policy, kw):
+    # the same prompts left-padded to 16 slots (their own bucket) or to 64 (a run's longest prompt):
+    # the same tokens and log-probs, the padding being masked and the positions counted from the prompt
+    own, wide = _gen(policy, seed=5, **kw), _gen(policy, seed=5, prompt_width=40, **kw)
+    assert own.prompt_ids.shape[1] == bucket(max(map(len, PROMPTS)), 64) < wide.prompt_ids.shape[1] == 64
+    np.testing.assert_array_equal(own.response_ids, wide.response_ids)
+    np.testing.assert_allclose(own.logprobs, wide.logprobs, atol=2e-5)
+    # batches with longest prompts of 3 and 20 tokens (buckets 4 and 32) share one prefill at the run's width
+    cfg, params, _ = policy
+    sampler = Sampler(cfg, policy[2].mesh)
+    sampling = SamplingConfig(max_response_len=4, prompt_width=24, length_aware=False)
+    for prompts in ([[5] * 3, [6] * 2], [[7] * 20, [8]]):
+        assert sampler.generate(params, prompts, 2, jax.random.key(0), sampling).prompt_ids.shape[1] == 32
+    assert sampler._prefill._cache_size() == 1
+
+
 def test_invalid_settings_name_the_field(policy):
     with pytest.raises(ValueError, match="SamplingConfig.temperature"):
         SamplingConfig(max_response_len=4, temperature=0.0)
