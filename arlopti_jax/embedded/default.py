@@ -14,8 +14,9 @@ The numerics follow the backend found when the config is loaded (``runtime.chips
     tpu       bfloat16 activations, float32 weights, XLA's attention
 
 On a GPU or TPU remat stays off (the model is tiny: memory is no constraint) and the 4 layers stay
-unrolled. Scan against unroll there is not yet measured in a run (no GPU was lent on 2026-11-27,
-when it was chosen); compiler figures for an H100 favour unrolling (``python -m arlopti_jax.aot
+unrolled. On one H200 (2026-11-27, docs/measurements/gpu_2026-11-27/) this default ran end to end
+in 81.6 s with an empty compilation cache and 24.9 s with a warm one. Scan against unroll was not
+measured there; compiler figures for an H100 favour unrolling (``python -m arlopti_jax.aot
 --target=h100 --config.model.dtype=bfloat16 --config.model.attention=cudnn
 --config.model.unroll_layers=True|False --config.compile_cache_dir=""``, compile-only on a shared
 2-core CPU machine, jax 0.10.2 with its CUDA 12 plugin 0.10.2): the 8 programs compiled in 34.0 s
