@@ -86,7 +86,8 @@ case "${1:-}" in
     setup
     # issue 32 item 6: the programs of bench/roofline.py compiled for this GPU and timed, beside the compiler's
     # own bytes and FLOPs for them. Decode: one 1.5B step (layers unrolled, as compiled for the h100 figures)
-    run calibrate_decode 200 bench/roofline.py decode --targets local --run --rows 64,256 --slots 1536,4608
+    run calibrate_decode 200 bench/roofline.py decode --targets local --run --rows 64,256 --slots 1536,4608 \
+      --json "$LOGS/decode.json"
     # train: one 4544-token micro-batch's forward and backward of 4 layers of the 3B widths (the v5e figures' shape)
     run calibrate_train_3b 100 bench/roofline.py train --target local --shape 3b --layers 4 --run
     # the whole 1.5B train step at the paper's sequence length (MFU as docs/measurements/journal.md counts it)

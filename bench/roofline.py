@@ -4,6 +4,7 @@
     python bench/roofline.py decode --targets h100 --rows 64 --slots 1536,2560,4608
     python bench/roofline.py train --target v5e-16 --shape 3b
     python bench/roofline.py decode --targets local --run  # on a lent GPU: also time the step (bench/gpu.sh calibrate)
+    python bench/roofline.py decode --targets h100 --rows 64 --slots 1536 --json decode.json   # the figures as JSON
 
 Everything here is compiled by the target's own compiler in compile-only mode
 (``arlopti_jax.aot``): compiler figures, not runs.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import sys
@@ -56,6 +58,7 @@ def parse_args():
     d.add_argument("--response", type=int, default=4096)
     d.add_argument("--slots", default="", help="cache slots to compile (default prompt + response)")
     d.add_argument("--run", action="store_true", help="--targets local: also run and time the step (ms per step)")
+    d.add_argument("--json", default="", help="also write the figures, one record per (target, rows, slots), here")
     t = sub.add_parser("train", help="one micro-batch's forward and backward")
     t.add_argument("--target", default="v5e-16")
     t.add_argument("--shape", default="3b")
@@ -153,6 +156,7 @@ def decode(args) -> None:
     sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,))
     print(f"jax {jax.__version__}; Qwen2.5-{args.shape.upper()} shape ({cfg.num_params() / 1e9:.2f}B), bfloat16, "
           f"prompt {args.prompt} + response {args.response}; compiler figures (compile-only), not runs\n")
+    records = []
     for name in args.targets.split(","):
         target = targets.get(name)
         mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(target))[:1])
@@ -166,6 +170,7 @@ def decode(args) -> None:
                                       lowered.compile().output_shardings)
         scalars = step_scalars(rep)
         counted = False
+        launches = None
         for rows in (int(r) for r in args.rows.split(",")):
             for slots in [int(s) for s in args.slots.split(",") if s] or [args.prompt + args.response]:
                 state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
@@ -182,12 +187,18 @@ def decode(args) -> None:
                              cost.get("bytes accessed") or hlo.Module(text).bytes())
                     line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
                              f"({moved / minimum:4.2f}x)")
+                    record = {"target": target.name, "shape": args.shape, "rows": rows, "slots": slots,
+                              "layers": cfg.num_layers, "bytes_per_step": moved, "minimum_bytes": minimum,
+                              "bytes_over_minimum": moved / minimum, "compile_s": seconds,
+                              "cost_analysis_bytes": cost.get("bytes accessed"),
+                              "cost_analysis_flops": cost.get("flops")}
                     if target.platform == "gpu" and cost.get("bytes accessed"):
                         line += (f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, "
                                  f"{cost.get('flops', 0) / 1e9:.0f} GFLOP]")
                     if "optimal_seconds" in cost:
                         roof = minimum / target.hbm_bytes_per_s
                         estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
+                        record.update(tpu_estimate_ms=estimate * 1e3 if estimate else None, roofline_ms=roof * 1e3)
                         line += (f"; estimate {estimate * 1e3:6.2f} ms (raw {cost['optimal_seconds'] * 1e3:.2f}), "
                                  f"roofline {roof * 1e3:6.2f} ms ({roof / estimate:.0%})" if estimate else
                                  f"; estimate {cost['optimal_seconds'] * 1e3:.2f} ms: negative, unusable")
@@ -196,15 +207,25 @@ def decode(args) -> None:
                             line += f"; XLA rematerialised {remat} ops near the chip's memory"
                         line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
                     if target.platform == "gpu" and not (args.run and counted):  # a run: the loop's launches once
-                        line += "; " + gpu_launches(sampler, params, state, scalars, sampling, cfg)
+                        text, launches = gpu_launches(sampler, params, state, scalars, sampling, cfg)
+                        line += "; " + text
                         counted = True
+                    if launches is not None:
+                        record["launches"] = launches
                     if args.run and target.name == "local":
                         ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20)
                         bw = target.hbm_bytes_per_s
                         line += f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the compiler's bytes"
                         line += (f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: "
                                  f"{minimum / bw * 1e3 / ms:.0%})" if bw else ")")
+                        record.update(measured_ms=ms, device=str(jax.devices()[0].device_kind),
+                                      roofline_fraction=minimum / bw * 1e3 / ms if bw else None)
                 print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
+                records.append(record)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"jax": jax.__version__, "figures": "compiler's (compile-only) unless "
+                                               "measured_ms", "records": records}, indent=1) + "\n")
+        print(f"figures written to {args.json}")
 
 
 def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers=(8, 16)) -> str:
@@ -268,8 +289,11 @@ def time_program(compiled, args, carry: int, steps: int = 5) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> str:
-    """Launches per layer and per step of the decode loop that runs, from the thunk sequence."""
+def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> tuple[str, dict]:
+    """Launches per layer and per step of the decode loop that runs, from the thunk sequence: the
+    line, and the counts (``step``: outside the layer loop; ``layer``: one layer's, None when the
+    layers are not a loop; ``kernels_per_layer``: all the step's kernels over the layers when they
+    are not a loop)."""
     import jax.numpy as jnp
 
     from arlopti_jax.aot import hlo
@@ -288,9 +312,13 @@ def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> str:
     fmt = lambda x: (f"{x['kernels']} kernels + {x['command_buffers']} command buffers "
                      f"({x['kernels_in_command_buffers']} kernels in them)")
     out = f"launches per step outside the layer loop: {fmt(step)}"
+    counts = {"step": step, "layer": layer}
     if layer is not None:
         out += f"; per layer ({cfg.num_layers}): {fmt(layer)}"
-    return out
+    else:
+        counts["kernels_per_layer"] = (step["kernels"] + step["kernels_in_command_buffers"]) / cfg.num_layers
+        out += f" (about {counts['kernels_per_layer']:.1f} per layer)"
+    return out, counts
 
 
 def train(args) -> None:
