@@ -16,11 +16,12 @@ from arlopti_jax.models.policy import (
     unembed_matrix,
 )
 from arlopti_jax.models.hf import CheckpointError, load_params, load_pretrained, save_pretrained
+from arlopti_jax.models import lora
 
 __all__ = [
     "ModelConfig", "Decoder", "init_cache", "position_ids", "abstract_params", "hidden_states",
     "init_params", "logits", "logprobs_from_hidden", "packed_hidden_states", "param_logical_specs",
     "param_shardings", "target_logprobs", "token_logprobs", "unembed_matrix", "CheckpointError", "load_params",
     "load_pretrained",
-    "save_pretrained",
+    "save_pretrained", "lora",
 ]

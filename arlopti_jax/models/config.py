@@ -14,6 +14,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")  # training / prefill attention (decode reads the KV cache itself)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,10 @@ class ModelConfig:
     remat: bool = False
     unroll_layers: bool = False  # straight-line layers instead of a loop: faster steps, longer compiles
     attention: str = "auto"  # one of ATTENTION_IMPLS: "auto" = cuDNN's fused kernel on GPUs at 16-bit, else XLA
+    # LoRA: each target projection W gets W + (lora_alpha / lora_rank) B A, A of rank lora_rank (0 = off)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -61,8 +66,23 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r} is not supported: "
                 f"allowed {sorted(SUPPORTED_ARCHITECTURES)}")
+        if self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank={self.lora_rank}: must be >= 0 (0 = no LoRA)")
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise ValueError(f"ModelConfig.lora_alpha={self.lora_alpha}: must be > 0")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or (self.lora_rank and not self.lora_targets):
+            raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: one or more of {list(LORA_TARGETS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def adapts(self, target: str) -> bool:
+        """Whether projection ``target`` (one of LORA_TARGETS) carries a LoRA adapter."""
+        return bool(self.lora_rank) and target in self.lora_targets
 
     @property
     def compute_dtype(self):

@@ -289,6 +289,35 @@ def _scores(qg: Array, keys: Array) -> Array:
     return jnp.einsum("bkgth,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
 
 
+def adapted(module: nn.Module, name: str, spec: str, x: Array, w: Array, axes: tuple[str, ...]) -> Array:
+    """``project(spec, x, w)`` for the layer's weight ``w`` (logical ``axes``, already in the
+    compute dtype), plus its LoRA adapter when the config adapts projection ``name``:
+    (lora_alpha / rank) x ``x`` A B, where A ("{name}_lora_a") maps w's contracted axes to the rank
+    and B ("{name}_lora_b") the rank to w's other axes. A starts as PEFT's (Kaiming-uniform over
+    its fan-in), B at zero, so a new adapter leaves the model as it was; the adapter is applied
+    unmerged (two thin products), never forming the full-size B A."""
+    cfg = module.cfg
+    y = project(spec, x, w)
+    if not cfg.adapts(name):
+        return y
+    inputs, out = spec.split("->")
+    x_spec, w_spec = inputs.split(",")
+    contracted = "".join(c for c in w_spec if c in x_spec)
+    kept = "".join(c for c in w_spec if c not in x_spec)
+    rows = "".join(c for c in x_spec if c not in contracted)
+    dims, names = dict(zip(w_spec, w.shape)), dict(zip(w_spec, axes))
+    r = cfg.lora_rank
+    a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(len(contracted))),
+                                              out_axis=-1)
+    a = _param(module, f"{name}_lora_a", a_init, tuple(dims[c] for c in contracted) + (r,),
+               tuple(names[c] for c in contracted) + ("lora_rank",), cfg.weight_dtype)
+    b = _param(module, f"{name}_lora_b", nn.initializers.zeros, (r,) + tuple(dims[c] for c in kept),
+               ("lora_rank",) + tuple(names[c] for c in kept), cfg.weight_dtype)
+    dt = cfg.compute_dtype
+    low = jnp.einsum(f"{x_spec},{contracted}r->{rows}r", x, a.astype(dt))
+    return y + cfg.lora_scale * jnp.einsum(f"{rows}r,r{kept}->{out}", low, b.astype(dt))
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
@@ -313,8 +342,9 @@ class Attention(nn.Module):
         init = nn.initializers.normal(0.02)
 
         def proj(name, heads, axes):
-            w = _param(self, f"{name}_kernel", init, (d, heads, h), ("embed", axes, "head_dim"), pdt)
-            y = project("btd,dnh->btnh", x, w.astype(dt))
+            w_axes = ("embed", axes, "head_dim")
+            w = _param(self, f"{name}_kernel", init, (d, heads, h), w_axes, pdt)
+            y = adapted(self, name, "btd,dnh->btnh", x, w.astype(dt), w_axes)
             if cfg.qkv_bias:
                 b = _param(self, f"{name}_bias", nn.initializers.zeros, (heads, h), (axes, "head_dim"), pdt)
                 y = y + b.astype(dt)
@@ -332,8 +362,9 @@ class Attention(nn.Module):
             out, cache = cached_attention(q, kk, v, mask, 1.0 / math.sqrt(h), cache, layer, cache_index)
         else:
             out = attention(q, kk, v, mask, scale=1.0 / math.sqrt(h), impl=cfg.attention)
-        wo = _param(self, "o_kernel", init, (n, h, d), ("heads", "head_dim", "embed"), pdt)
-        return project("btnh,nhd->btd", out, wo.astype(dt)), cache
+        o_axes = ("heads", "head_dim", "embed")
+        wo = _param(self, "o_kernel", init, (n, h, d), o_axes, pdt)
+        return adapted(self, "o", "btnh,nhd->btd", out, wo.astype(dt), o_axes), cache
 
 
 class MLP(nn.Module):
@@ -348,9 +379,10 @@ class MLP(nn.Module):
         gate = _param(self, "gate_kernel", init, (d, f), ("embed", "mlp"), pdt)
         up = _param(self, "up_kernel", init, (d, f), ("embed", "mlp"), pdt)
         down = _param(self, "down_kernel", init, (f, d), ("mlp", "embed"), pdt)
-        hid = jax.nn.silu(project("btd,df->btf", x, gate.astype(dt))) * project("btd,df->btf", x, up.astype(dt))
+        hid = (jax.nn.silu(adapted(self, "gate", "btd,df->btf", x, gate.astype(dt), ("embed", "mlp")))
+               * adapted(self, "up", "btd,df->btf", x, up.astype(dt), ("embed", "mlp")))
         hid = nn.with_logical_constraint(hid, ("act_batch", "act_length", "act_mlp"))
-        return project("btf,fd->btd", hid, down.astype(dt))
+        return adapted(self, "down", "btf,fd->btd", hid, down.astype(dt), ("mlp", "embed"))
 
 
 class Block(nn.Module):

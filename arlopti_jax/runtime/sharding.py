@@ -35,6 +35,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("lora_rank", None),  # LoRA adapters: their other axis follows the weight's
     # activations
     ("act_batch", BATCH_AXES),
     ("act_length", None),

@@ -1,0 +1,100 @@
+"""LoRA adapters in the decoder (``decoder.adapted``) and as trees (``models.lora``), against the
+base model and against a direct transcription of W + (alpha / r) A B."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from arlopti_jax.models import ModelConfig, init_params, logits, lora
+from arlopti_jax.runtime import sharding as shd
+
+BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(rng.integers(0, BASE.vocab_size, (3, 10)), jnp.int32)
+    mask = jnp.asarray(np.arange(10)[None, :] >= np.array([[0], [3], [5]]), jnp.int32)  # left padding
+    return ids, mask
+
+
+def _with_adapters(cfg, base_params, mesh, seed=1, b_scale=0.0):
+    """The base weights with fresh adapters of ``cfg``; B drawn at ``b_scale`` when nonzero."""
+    adapters = lora.init_adapters(cfg, jax.random.key(seed), mesh)
+    if b_scale:
+        keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
+        adapters = jax.tree_util.tree_map_with_path(
+            lambda path, x: b_scale * jax.random.normal(next(keys), x.shape, x.dtype)
+            if str(path[-1].key).endswith("_lora_b") else x, adapters)
+    return lora.combine(base_params, adapters)
+
+
+@pytest.mark.parametrize("targets", [("q", "v"), ("q", "k", "v", "o", "gate", "up", "down")], ids=["qv", "all"])
+def test_fresh_adapters_leave_the_base_logits_exactly(mesh, targets):
+    base_params = init_params(BASE, jax.random.key(0), mesh)
+    cfg = dataclasses.replace(BASE, lora_rank=4, lora_alpha=8.0, lora_targets=targets)
+    params = _with_adapters(cfg, base_params, mesh)
+    names = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(lora.split(params)[1])[0]}
+    assert names == {f"{t}_lora_{m}" for t in targets for m in "ab"}
+    ids, mask = _batch()
+    np.testing.assert_array_equal(logits(cfg, params, ids, mask), logits(BASE, base_params, ids, mask))
+    # A is not zero: with B drawn, the logits move; switched off, they are the base's again
+    moved = _with_adapters(cfg, base_params, mesh, b_scale=0.5)
+    assert not np.allclose(logits(cfg, moved, ids, mask), logits(BASE, base_params, ids, mask), atol=1e-3)
+    np.testing.assert_array_equal(logits(cfg, lora.adapters_off(moved), ids, mask),
+                                  logits(BASE, base_params, ids, mask))
+
+
+def _transcribed(cfg, params):
+    """W + (alpha / r) A B for each adapted weight, written out here by einsum per projection."""
+    layer = params["layers"]
+    s = cfg.lora_scale
+    out = jax.tree.map(lambda x: x, lora.split(params)[0])
+    for group, names in (("attn", ("q", "k", "v", "o")), ("mlp", ("gate", "up", "down"))):
+        for name in names:
+            a, b = layer[group][f"{name}_lora_a"], layer[group][f"{name}_lora_b"]
+            spec = "ldr,lrnh->ldnh" if name in "qkv" else "lnhr,lrd->lnhd" if name == "o" else "ldr,lrf->ldf"
+            out["layers"][group][f"{name}_kernel"] = layer[group][f"{name}_kernel"] + s * jnp.einsum(spec, a, b)
+    return out
+
+
+def test_merged_and_unmerged_agree_and_gradients_equal_the_transcription(mesh):
+    cfg = dataclasses.replace(BASE, lora_rank=4, lora_alpha=16.0)
+    base_params = init_params(BASE, jax.random.key(0), mesh)
+    params = _with_adapters(cfg, base_params, mesh, b_scale=0.3)
+    ids, mask = _batch(seed=2)
+    unmerged = logits(cfg, params, ids, mask)
+    np.testing.assert_allclose(unmerged, logits(BASE, lora.merge(cfg, params), ids, mask), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(unmerged, logits(BASE, _transcribed(cfg, params), ids, mask), rtol=2e-5, atol=2e-5)
+
+    weights = jax.random.normal(jax.random.key(3), unmerged.shape)
+    base, adapters = lora.split(params)
+
+    def ours(adapters):
+        return jnp.sum(weights * logits(cfg, lora.combine(base, adapters), ids, mask))
+
+    def direct(adapters):
+        return jnp.sum(weights * logits(BASE, _transcribed(cfg, lora.combine(base, adapters)), ids, mask))
+
+    got, want = jax.grad(ours)(adapters), jax.grad(direct)(adapters)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        assert np.abs(np.asarray(w)).max() > 0, path  # every adapter leaf gets a gradient
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(np.asarray(w)).max(), err_msg=str(path))
+
+
+@pytest.mark.parametrize("bad, field", [(dict(lora_rank=-1), "lora_rank"),
+                                        (dict(lora_rank=4, lora_alpha=0.0), "lora_alpha"),
+                                        (dict(lora_rank=4, lora_targets=("q", "w_in")), "lora_targets"),
+                                        (dict(lora_rank=4, lora_targets=()), "lora_targets")])
+def test_bad_lora_settings_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
+        dataclasses.replace(BASE, **bad)
