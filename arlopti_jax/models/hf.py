@@ -176,6 +176,46 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def save_adapter(cfg: ModelConfig, params, out_dir: str | Path, base_model: str) -> Path:
+    """Write the LoRA adapters of ``params`` as a PEFT adapter folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``), the layout PEFT's ``PeftModel.from_pretrained`` and vLLM's
+    ``LoRARequest`` read, for the Hugging Face model ``base_model`` (a folder or Hub id).
+
+    PEFT's A is [r, in_features] and B [out_features, r] per layer, with the weight's input and
+    output features flattened as the Hugging Face weight orders them (``_name_map``); ours are
+    A [layers, contracted..., r] and B [layers, r, kept...]. Only process 0 writes; every process
+    must call it."""
+    if not cfg.lora_rank:
+        raise ValueError("save_adapter: the model has no LoRA adapters (model.lora_rank is 0)")
+    layers = params["layers"]
+    tensors = {}
+    for target in cfg.lora_targets:
+        group = "mlp" if target in ("gate", "up", "down") else "attn"
+        a, b = _to_host(layers[group][f"{target}_lora_a"]), _to_host(layers[group][f"{target}_lora_b"])
+        for i in range(cfg.num_layers):
+            name = f"base_model.model.model.layers.{i}.{PEFT_MODULES[target]}"
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, cfg.lora_rank).T)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(cfg.lora_rank, -1).T)
+    out = Path(out_dir)
+    if jax.process_index() != 0:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+              "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": sorted(PEFT_MODULES[t].split(".")[-1] for t in cfg.lora_targets),
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+              "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+              "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    log.info("wrote PEFT adapter to %s (%d tensors, rank %d)", out, len(tensors), cfg.lora_rank)
+    return out
+
+
 def save_pretrained(cfg: ModelConfig, params, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
                     max_shard_bytes: int = 4 << 30) -> Path:
     """Write params as a Hugging Face folder (config.json, safetensors, tokenizer files).

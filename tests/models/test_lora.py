@@ -98,3 +98,39 @@ def test_merged_and_unmerged_agree_and_gradients_equal_the_transcription(mesh):
 def test_bad_lora_settings_name_the_field(bad, field):
     with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
         dataclasses.replace(BASE, **bad)
+
+
+def test_the_exported_peft_adapter_and_merged_folder_give_our_logits_in_transformers(tmp_path):
+    """Our adapters written as a PEFT folder and loaded by ``peft`` onto transformers' model of the
+    base folder, and the merged weights written as a plain Hugging Face folder: both give the
+    logits of our model with its adapters."""
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    from hf_fixtures import write_hf_model
+
+    from arlopti_jax.models import load_pretrained, save_pretrained
+    from arlopti_jax.models.hf import save_adapter
+
+    folder = write_hf_model(tmp_path / "base", kind="qwen2")
+    mesh = shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    base_cfg, base_params = load_pretrained(folder, mesh=mesh)
+    cfg = dataclasses.replace(base_cfg, lora_rank=4, lora_alpha=8.0, lora_targets=("q", "v", "o", "gate", "down"))
+    params = _with_adapters(cfg, base_params, mesh, b_scale=0.2)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(3, base_cfg.vocab_size, (2, 12))
+    ours = np.asarray(logits(cfg, params, jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape, jnp.int32)))
+    assert not np.allclose(ours, np.asarray(logits(base_cfg, base_params, jnp.asarray(ids, jnp.int32),
+                                                   jnp.ones(ids.shape, jnp.int32))), atol=1e-2)
+
+    save_adapter(cfg, params, tmp_path / "adapter", base_model=str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = adapted(torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=2e-3)
+
+    save_pretrained(base_cfg, lora.merge(cfg, params), tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(merged(torch.from_numpy(ids)).logits.numpy(), ours, atol=2e-3)
