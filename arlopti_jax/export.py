@@ -19,7 +19,7 @@ import ml_collections
 from arlopti_jax.rl import run_setup
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.config.cli import startup_done
-from arlopti_jax.models import save_pretrained
+from arlopti_jax.models import lora, save_pretrained
 
 
 EPILOG = """\
@@ -60,7 +60,7 @@ def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, ou
     ckpt = Checkpointer(folder.parent)
     state, _ = ckpt.restore(int(folder.name), run_setup.abstract_state(model_cfg, optimizer, mesh))
     ckpt.close()
-    return save_pretrained(model_cfg, state["params"], out, tokenizer_dir=model_path)
+    return save_pretrained(*lora.plain(model_cfg, state["params"]), out, tokenizer_dir=model_path)
 
 
 def main(argv=None) -> int:

@@ -359,8 +359,8 @@ def compile_accumulate(step, mesh, params, host: dict):
         acc = jax.tree.map(lambda a, s: spec(a.shape, a.dtype, s), acc, step._zeros.lower(params).compile()
                            .output_shardings)
         start = time.perf_counter()
-        compiled = step._accumulate.lower(params, acc, mb).compile()
-    return compiled, (params, acc, mb), time.perf_counter() - start
+        compiled = step._accumulate.lower(params, {}, acc, mb).compile()  # no frozen part: no LoRA here
+    return compiled, (params, {}, acc, mb), time.perf_counter() - start
 
 
 def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
@@ -390,7 +390,7 @@ def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
     old = policy.DIRECT_LOGITS_BYTES
     policy.DIRECT_LOGITS_BYTES = 1 << 62  # the vocabulary projection in one piece: a loop-free program
     try:
-        compiled, (params, acc, mb), seconds = compile_accumulate(step, mesh, params, host)
+        compiled, (params, frozen, acc, mb), seconds = compile_accumulate(step, mesh, params, host)
     finally:
         policy.DIRECT_LOGITS_BYTES = old
     cost = compiled.cost_analysis() or {}
@@ -420,7 +420,7 @@ def train_program(args, cfg, target, mesh, devices) -> tuple[float, float]:
         moved = cost.get("bytes accessed") or counted
         print(f"optimized HLO traffic {counted / 1e9:.1f} GB; cost analysis "
               f"{cost.get('bytes accessed', 0) / 1e9:.1f} GB")
-        ms = time_program(compiled, (params, acc, mb), carry=1)
+        ms = time_program(compiled, (params, frozen, acc, mb), carry=2)
         peak = target.peak_flops or float("nan")
         bw = target.hbm_bytes_per_s
         floor = max(cost.get("flops", 0) / peak, moved / bw if bw else 0.0)

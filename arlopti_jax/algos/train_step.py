@@ -47,6 +47,7 @@ from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.algos import packing
 from arlopti_jax.algos.losses import LossConfig, aggregation_weights, policy_loss, sequence_ids
+from arlopti_jax.models import lora
 from arlopti_jax.models import ModelConfig, abstract_params, packed_hidden_states, param_shardings, target_logprobs
 from arlopti_jax.models.policy import unembed_matrix
 
@@ -118,11 +119,12 @@ def current_lr(opt_state) -> Array:
 def opt_state_shardings(optimizer: optax.GradientTransformation, model_cfg: ModelConfig, mesh,
                         rules=shd.DEFAULT_RULES):
     """Shardings of the optimizer state: moments like their parameter, scalars replicated."""
-    abstract = jax.eval_shape(optimizer.init, abstract_params(model_cfg))
+    abstract = jax.eval_shape(optimizer.init, lora.trainable(model_cfg, abstract_params(model_cfg))[0])
+    shardings = lora.trainable(model_cfg, param_shardings(model_cfg, mesh, rules))[0]
     out = []
 
     def traced():  # optax runs ``init`` on placeholders: traced here, its schedule compiles no eager programs
-        out.append(optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, param_shardings(model_cfg, mesh, rules),
+        out.append(optax.tree_map_params(optimizer, lambda _, sh: sh, abstract, shardings,
                                          transform_non_params=lambda _: shd.replicated(mesh)))
         return 0
 
@@ -137,8 +139,9 @@ def _jitted_init(optimizer, model_cfg, mesh, rules):
 
 def init_opt_state(optimizer: optax.GradientTransformation, model_cfg: ModelConfig, params, mesh,
                    rules=shd.DEFAULT_RULES):
-    """A fresh optimizer state created directly in its shardings."""
-    return _jitted_init(optimizer, model_cfg, mesh, rules)(params)
+    """A fresh optimizer state created directly in its shardings, for the trained part of ``params``
+    (the adapters alone with LoRA)."""
+    return _jitted_init(optimizer, model_cfg, mesh, rules)(lora.trainable(model_cfg, params)[0])
 
 
 def _dense_host(batch: dict[str, Any], keys: Sequence[str]) -> dict[str, np.ndarray]:
@@ -256,13 +259,16 @@ class TrainStep:
         self.processed: list[packing.Summary] = []  # what each call packed (trainer.py and the benchmarks read it)
         use_kl, entropy_grad = loss_cfg.use_kl, loss_cfg.entropy_coef != 0
         names = _stat_names(use_kl)
-        p_sh = param_shardings(model_cfg, mesh, rules)
+        self.model_cfg = model_cfg
+        # the trained part (the adapters with LoRA, else every parameter) and the frozen one (the
+        # base with LoRA: read by every program, never donated, no gradient or optimizer state)
+        p_sh, f_sh = lora.trainable(model_cfg, param_shardings(model_cfg, mesh, rules))
         o_sh = opt_state_shardings(optimizer, model_cfg, mesh, rules)
         rep = shd.replicated(mesh)
         acc_sh = (p_sh, {n: rep for n in names})
 
-        def micro_loss(params, mb):
-            logp, ent = self.model(params, mb, entropy_grad)
+        def micro_loss(params, frozen, mb):
+            logp, ent = self.model(lora.whole(params, frozen), mb, entropy_grad)
             targets = {k: mb[k] for k in TARGET_KEYS + loss_cfg.target_keys}
             return policy_loss(loss_cfg, logp, ent, targets)
 
@@ -270,8 +276,8 @@ class TrainStep:
             grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             return grads, {n: jnp.full((), -jnp.inf if n == "ratio_max" else 0.0, jnp.float32) for n in names}
 
-        def accumulate(params, acc, mb):
-            (_, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb)
+        def accumulate(params, frozen, acc, mb):
+            (_, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, frozen, mb)
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[0], g)
             merged = {n: jnp.maximum(acc[1][n], v) if n == "ratio_max" else acc[1][n] + v for n, v in stats.items()}
             return grads, merged
@@ -287,8 +293,8 @@ class TrainStep:
             return params, opt_state, metrics
 
         self._zeros = jax.jit(zeros, in_shardings=(p_sh,), out_shardings=acc_sh)
-        self._accumulate = jax.jit(accumulate, donate_argnums=(1,), in_shardings=(p_sh, acc_sh, self.row_sharding),
-                                   out_shardings=acc_sh)
+        self._accumulate = jax.jit(accumulate, donate_argnums=(2,),
+                                   in_shardings=(p_sh, f_sh, acc_sh, self.row_sharding), out_shardings=acc_sh)
         self.accumulate_programs = PackedPrograms(self._accumulate, self.shapes, self.num_devices, self.row_sharding)
         self._apply = jax.jit(apply, donate_argnums=(0, 1), in_shardings=(p_sh, o_sh, acc_sh, rep),
                               out_shardings=(p_sh, o_sh, rep))
@@ -319,22 +325,27 @@ class TrainStep:
         n_tok = np.float32(max(float(batch["response_mask"][rows].sum()), 1.0))
         self.processed.append(packing.summary(micro_batches))
         tokens = {"input_ids": batch["input_ids"]}
+        trained, frozen = lora.trainable(self.model_cfg, params)
         with shd.activate(self.mesh, self.rules):
-            acc = self._zeros(params)
+            acc = self._zeros(trained)
             for mb in micro_batches:
                 arrays = packing.gather(mb, tokens, targets)
                 arrays = {k: shd.put(v, self.row_sharding) for k, v in arrays.items()}
-                acc = self.accumulate_programs(params, acc, arrays, tokens=tokens, targets=targets)
+                acc = self.accumulate_programs(trained, frozen, acc, arrays, tokens=tokens, targets=targets)
         return acc, n_tok
 
     def run(self, params, opt_state, batch: dict[str, np.ndarray], rows, micro_batches: list[packing.MicroBatch]):
-        """One optimizer step on the dense host ``batch``'s ``rows``, packed as ``micro_batches``."""
+        """One optimizer step on the dense host ``batch``'s ``rows``, packed as ``micro_batches``:
+        the trained part of ``params`` and ``opt_state`` are donated, a LoRA base is not."""
         acc, n_tok = self._accumulated(params, batch, rows, micro_batches)
+        trained, frozen = lora.trainable(self.model_cfg, params)
         with shd.activate(self.mesh, self.rules):
-            return self._apply(params, opt_state, acc, n_tok)
+            trained, opt_state, metrics = self._apply(trained, opt_state, acc, n_tok)
+        return lora.whole(trained, frozen), opt_state, metrics
 
     def gradient(self, params, batch: dict[str, Any]):
-        """(gradient tree float32, its global norm) of the mini-batch loss; params are read, not donated."""
+        """(gradient tree float32 of the trained part, its global norm) of the mini-batch loss;
+        params are read, not donated."""
         batch = _dense_host(batch, self.keys)
         rows = np.arange(batch["input_ids"].shape[0])
         (grads, _), _ = self._accumulated(params, batch, rows, self.plan(batch, rows))

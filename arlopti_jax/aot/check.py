@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arlopti_jax.models import lora
 from arlopti_jax.rl import run_setup
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.aot import hlo, targets
@@ -291,10 +292,11 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
                              spec(logprob_host))
             compiler.group = "update"
             if "update" in groups:
-                acc = compiler("zeros", step._zeros, params)
+                trained, frozen = lora.trainable(run.model_cfg, params)  # the adapters and the base with LoRA
+                acc = compiler("zeros", step._zeros, trained)
                 for shape, (host, _) in arrays.items():
-                    compiler(f"accumulate {_shape(shape)}", step._accumulate, params, acc, spec(host))
-                compiler("apply (clip + AdamW)", step._apply, params, opt_state, acc,
+                    compiler(f"accumulate {_shape(shape)}", step._accumulate, trained, frozen, acc, spec(host))
+                compiler("apply (clip + AdamW)", step._apply, trained, opt_state, acc,
                          abstract((), jnp.float32, shd.replicated(mesh)))
     finally:
         if compile_only:

@@ -14,7 +14,7 @@ import ml_collections
 from arlopti_jax.runtime.startup import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
 
 from arlopti_jax import algos
-from arlopti_jax.models.config import ATTENTION_IMPLS
+from arlopti_jax.models.config import ATTENTION_IMPLS, LORA_TARGETS
 from arlopti_jax.tasks.data import PROMPT_STYLES
 
 # The config file the train and eval commands use without --config: the embedded default (numerics per backend).
@@ -51,6 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.unroll_layers = False  # layers as straight-line code, not a loop (faster on CPU; slower compiles)
     c.model.attention = "auto"  # training/prefill attention: auto (cuDNN's fused kernel on GPUs at 16-bit), xla, cudnn
     c.model.logprob_chunk = 256  # targets per packed row in each vocab-projection chunk
+    c.model.lora_rank = 0  # LoRA adapters' rank (0 = train every weight)
+    c.model.lora_alpha = 16.0  # LoRA's scale is lora_alpha / lora_rank
+    c.model.lora_targets = "q,k,v,o,gate,up,down"  # the projections that get adapters
 
     c.data = ml_collections.ConfigDict()
     c.data.train_files = ""  # comma-separated files or folders (parquet / jsonl)
@@ -181,6 +184,10 @@ FIELD_DOCS = {
                            "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py); "
                            "on a GPU or TPU scan against unroll is not yet measured (the embedded default unrolls its "
                            "4 layers there too, by the compiler's figures: embedded/default.py)",
+    "model.lora_rank": "LoRA: train rank-r adapters beside the frozen base weights (the reference policy is the base, "
+                       "adapters off; AdamW state covers the adapters alone); 0 = full fine-tuning",
+    "model.lora_alpha": "LoRA: each adapted weight is W + (lora_alpha / lora_rank) B A",
+    "model.lora_targets": "LoRA: the projections that get adapters, comma-separated from q, k, v, o, gate, up, down",
     "model.logprob_chunk": "targets per packed row in each vocabulary-projection chunk (no [B, T, V] tensor is held; "
                            "up to 64 MiB of target logits per device are projected in one piece)",
     "data.train_files": "comma-separated parquet/jsonl files or folders",
@@ -336,6 +343,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
            "(use 'auto' or 'xla')")
     _check(c.model.attention != "cudnn" or c.model.dtype == "bfloat16", "model.attention", c.model.attention,
            "cuDNN's fused attention needs model.dtype='bfloat16' ('auto' falls back to XLA by itself)")
+    _check(c.model.lora_rank >= 0, "model.lora_rank", c.model.lora_rank, "must be >= 0 (0 = no LoRA)")
+    _check(c.model.lora_alpha > 0, "model.lora_alpha", c.model.lora_alpha, "must be > 0")
+    targets = [t for t in str(c.model.lora_targets).split(",") if t]
+    _check(bool(targets) and set(targets) <= set(LORA_TARGETS), "model.lora_targets", c.model.lora_targets,
+           f"comma-separated names from {','.join(LORA_TARGETS)}")
     _check(0.0 <= c.algo.ar_alpha <= 1.0, "algo.ar_alpha", c.algo.ar_alpha, "must be in [0, 1]")
     eta = c.algo.lopti_eta
     _check(-1.0 <= eta <= 1.0, "algo.lopti_eta", eta, "must be in [-1, 1] (0 = off, sign = pass order)")

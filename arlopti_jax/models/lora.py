@@ -6,6 +6,7 @@ A run trains only those leaves; these functions move between the whole tree and 
 
     base, adapters = split(params)        # the frozen weights, the trained adapters
     params = combine(base, adapters)
+    trained, frozen = trainable(cfg, params)   # what a step updates (the whole tree without LoRA)
     reference = adapters_off(params)      # B at zero: the base model's outputs, exactly
     plain = merge(cfg, params)            # W + (alpha / r) A B folded in, adapters dropped
     adapters = init_adapters(cfg, key, mesh)   # fresh adapters alone (the base is not built)
@@ -41,11 +42,26 @@ def combine(base: dict, adapters: dict) -> dict:
     return traverse_util.unflatten_dict({**traverse_util.flatten_dict(base), **traverse_util.flatten_dict(adapters)})
 
 
+def trainable(cfg: ModelConfig, params: dict) -> tuple[dict, dict]:
+    """(trained, frozen) parts of a tree for ``cfg``: the adapters and the base with LoRA, else the
+    whole tree and nothing (the train step differentiates and updates the first part only)."""
+    if not cfg.lora_rank:
+        return params, {}
+    base, adapters = split(params)
+    return adapters, base
+
+
+def whole(trained: dict, frozen: dict) -> dict:
+    """``trainable``'s inverse."""
+    return combine(frozen, trained) if frozen else trained
+
+
 def adapters_off(params: dict) -> dict:
-    """The tree with every B at zero: the model then computes exactly what its base computes (the
-    reference policy of a LoRA run, with no copy of the base weights)."""
+    """The tree with its adapters at zero: the model then computes exactly what its base computes
+    (the reference policy of a LoRA run). It shares the base's arrays, not the adapters' (those a
+    train step donates), so no copy of the weights is made."""
     flat = traverse_util.flatten_dict(params)
-    return traverse_util.unflatten_dict({k: jnp.zeros_like(v) if k[-1].endswith(_B) else v for k, v in flat.items()})
+    return traverse_util.unflatten_dict({k: jnp.zeros_like(v) if is_adapter(k[-1]) else v for k, v in flat.items()})
 
 
 def delta(scale: float, a, b) -> jax.Array:
@@ -72,6 +88,12 @@ def merge(cfg: ModelConfig, params: dict) -> dict:
             value = (value.astype(jnp.float32) + update).astype(value.dtype)
         out[key] = value
     return traverse_util.unflatten_dict(out)
+
+
+def plain(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
+    """(config, weights) of the plain model a run exports: with LoRA, the merged weights of
+    ``cfg`` without adapters; else both as they are."""
+    return (cfg.replace(lora_rank=0), merge(cfg, params)) if cfg.lora_rank else (cfg, params)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,7 @@ from arlopti_jax.rl.collect import Collector
 from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, compare_table, format_table, is_correct, trim_jsonl
 from arlopti_jax.runtime.chips import mfu
 from arlopti_jax.store.metrics import MetricsWriter, Timer
-from arlopti_jax.models import save_pretrained
+from arlopti_jax.models import lora, save_pretrained
 from arlopti_jax.tasks import load_reward_fn
 from arlopti_jax.tasks.kk import guess_accuracy
 
@@ -106,10 +106,12 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
 
     ckpt = run_setup.checkpointer(config)
     restored = run_setup.restore_from(config, ckpt, run.state)
-    ref_params = policy.params if run.use_reference else None  # frozen: never donated
+    ref_params = None
+    if run.use_reference:  # frozen: never donated; with LoRA the base itself, adapters off (no copy)
+        ref_params = lora.adapters_off(policy.params) if model_cfg.lora_rank else policy.params
     if restored is None:
         start_step, key = 0, jax.random.key(config.seed)
-        params = copy_tree(policy.params) if ref_params is not None else policy.params
+        params = copy_tree(policy.params) if ref_params is not None and not model_cfg.lora_rank else policy.params
         opt_state = algos.init_opt_state(run.optimizer, model_cfg, params, mesh)
     else:
         start_step, state, meta = restored
@@ -240,7 +242,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     finished = not stop
     export_dir = None
     if finished and config.train.export_at_end:
-        export_dir = save_pretrained(model_cfg, params, run_dir / "export", tokenizer_dir=model_path)
+        export_dir = save_pretrained(*lora.plain(model_cfg, params), run_dir / "export", tokenizer_dir=model_path)
     history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
                           compile_log.programs - history.get("warm", compile_log.programs))
     return summarize(config, history, started, export_dir, preempted=not finished,

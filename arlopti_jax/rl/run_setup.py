@@ -25,7 +25,7 @@ from arlopti_jax import algos
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.store.checkpoint import Checkpointer
-from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, param_shardings
+from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
 from arlopti_jax.rollout import Sampler, SamplingConfig
 from arlopti_jax.tasks.data import BatchIterator, PromptDataset, resolve_data_files
 
@@ -91,7 +91,9 @@ def model_config(config, model_path: Path) -> ModelConfig:
     """The model's shape from its folder's config.json, with the config's numerics."""
     m = config.model
     return ModelConfig.from_pretrained(model_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                                       unroll_layers=m.unroll_layers, attention=m.get("attention", "auto"))
+                                       unroll_layers=m.unroll_layers, attention=m.get("attention", "auto"),
+                                       lora_rank=m.lora_rank, lora_alpha=float(m.lora_alpha),
+                                       lora_targets=tuple(t for t in str(m.lora_targets).split(",") if t))
 
 
 def load_tokenizer(model_path: Path):
@@ -104,7 +106,10 @@ def load_policy(config, mesh, model_path: Path, tokenizer=None) -> Policy:
     """The model's weights on ``mesh`` with its tokenizer (``tokenizer``, when already loaded)."""
     tokenizer = load_tokenizer(model_path) if tokenizer is None else tokenizer
     model_cfg = model_config(config, model_path)
-    return Policy(model_cfg, load_params(model_path, model_cfg, mesh), tokenizer, model_path)
+    params = load_params(model_path, model_cfg.replace(lora_rank=0), mesh)
+    if model_cfg.lora_rank:  # fresh adapters beside the folder's weights (a checkpoint replaces them on resume)
+        params = lora.combine(params, lora.init_adapters(model_cfg, jax.random.key(config.seed), mesh))
+    return Policy(model_cfg, params, tokenizer, model_path)
 
 
 def _as_ids(value) -> tuple:
@@ -280,7 +285,7 @@ def abstract_state(model_cfg: ModelConfig, optimizer, mesh):
                                     abstract_params(model_cfg), p_sh)
     o_sh = algos.opt_state_shardings(optimizer, model_cfg, mesh)
     opt = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                 jax.eval_shape(optimizer.init, params), o_sh)
+                                 jax.eval_shape(optimizer.init, lora.trainable(model_cfg, params)[0]), o_sh)
     key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32, sharding=shd.replicated(mesh))
     return {"params": params, "opt_state": opt, "rng": key}
 
