@@ -1,10 +1,15 @@
-"""Export a training checkpoint's policy as a Hugging Face folder.
+"""Export a training checkpoint's policy as a Hugging Face folder, or a LoRA run's adapters as
+a PEFT adapter folder.
 
     python -m arlopti_jax.export --checkpoint runs/kk3b/checkpoints/120 --out exports/kk3b_step120
+    python -m arlopti_jax.export --checkpoint runs/lora/checkpoints/16 --out exports/lora16 --adapter
 
 The checkpoint's metadata names the run's config and model folder, so nothing else is
 needed: the folder gets config.json, safetensors and the model's tokenizer files, and
-loads in transformers (and back into arlopti_jax).
+loads in transformers (and back into arlopti_jax). A LoRA run's folder holds the merged weights
+(W + (alpha / r) B A); with ``--adapter`` the adapters alone are written in PEFT's layout
+(``adapter_config.json``, ``adapter_model.safetensors``), for PEFT's ``PeftModel.from_pretrained``
+or vLLM's ``LoRARequest`` on the run's base model.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from arlopti_jax.rl import run_setup
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.config.cli import startup_done
 from arlopti_jax.models import lora, save_pretrained
+from arlopti_jax.models.hf import save_adapter
 
 
 EPILOG = """\
@@ -29,6 +35,7 @@ stored in the checkpoint.
 examples:
   python -m arlopti_jax.export --checkpoint runs/default/checkpoints/30 --out exports/default
   python -m arlopti_jax.export --checkpoint runs/kk3b/checkpoints/120 --out exports/kk3b_step120
+  python -m arlopti_jax.export --checkpoint runs/lora/checkpoints/16 --out exports/lora16 --adapter
 """
 
 
@@ -49,17 +56,22 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[Path, ml_collections.Config
     return folder, ml_collections.ConfigDict(json.loads(meta["config"])), model_path
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
-    return _write(*read_checkpoint(checkpoint), out)
+def export(checkpoint: str | Path, out: str | Path, adapter: bool = False) -> Path:
+    return _write(*read_checkpoint(checkpoint), out, adapter)
 
 
-def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, out: str | Path) -> Path:
+def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, out: str | Path,
+           adapter: bool = False) -> Path:
     model_cfg = run_setup.model_config(config, model_path)
+    if adapter and not model_cfg.lora_rank:
+        raise ValueError(f"--adapter: {folder} is not a LoRA run's checkpoint (its model.lora_rank is 0)")
     mesh = run_setup.make_mesh(config)
     optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
     ckpt = Checkpointer(folder.parent)
     state, _ = ckpt.restore(int(folder.name), run_setup.abstract_state(model_cfg, optimizer, mesh))
     ckpt.close()
+    if adapter:
+        return save_adapter(model_cfg, state["params"], out, base_model=config.model.path or str(model_path))
     return save_pretrained(*lora.plain(model_cfg, state["params"]), out, tokenizer_dir=model_path)
 
 
@@ -68,14 +80,18 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a checkpoint step folder: RUN/checkpoints/STEP")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write its adapters as a PEFT adapter folder instead of the merged model")
     args = parser.parse_args(argv)
     try:
         source = read_checkpoint(args.checkpoint)
+        if args.adapter and not int(source[1].model.get("lora_rank", 0)):
+            raise ValueError(f"--adapter: {args.checkpoint} is not a LoRA run's checkpoint (model.lora_rank is 0)")
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     startup_done("arlopti_jax.export")
-    out = _write(*source, args.out)
+    out = _write(*source, args.out, args.adapter)
     print(f"exported {args.checkpoint} to {out}")
     return 0
 

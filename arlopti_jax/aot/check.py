@@ -257,7 +257,8 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
                              total_steps=max(1, config.train.max_steps), prompt_width=width)
     longest = width or config.data.max_prompt_length
     params, opt_state = run.state["params"], run.state["opt_state"]
-    resident = shard_bytes(params) * (2 if run.use_reference else 1) + shard_bytes(opt_state)
+    copies = 2 if run.use_reference and not run.model_cfg.lora_rank else 1  # a LoRA reference is the base itself
+    resident = shard_bytes(params) * copies + shard_bytes(opt_state)
     dump = Path(tempfile.mkdtemp(prefix="arlopti_aot_")) if target.platform == "gpu" else None
     compiler = Compiler(target, resident, verbose, dump)
     compiler.resident_leaves = {id(x) for x in jax.tree.leaves((params, opt_state))}

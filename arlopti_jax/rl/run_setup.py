@@ -90,10 +90,12 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
 def model_config(config, model_path: Path) -> ModelConfig:
     """The model's shape from its folder's config.json, with the config's numerics."""
     m = config.model
+    targets = tuple(t for t in str(m.get("lora_targets", "q")).split(",") if t)  # .get: checkpoints from before LoRA
     return ModelConfig.from_pretrained(model_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                                        unroll_layers=m.unroll_layers, attention=m.get("attention", "auto"),
-                                       lora_rank=m.lora_rank, lora_alpha=float(m.lora_alpha),
-                                       lora_targets=tuple(t for t in str(m.lora_targets).split(",") if t))
+                                       lora_rank=int(m.get("lora_rank", 0)),
+                                       lora_alpha=float(m.get("lora_alpha", 16.0)),
+                                       lora_targets=targets)
 
 
 def load_tokenizer(model_path: Path):

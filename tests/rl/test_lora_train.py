@@ -1,20 +1,28 @@
 """A LoRA run (``model.lora_rank``): only the adapters train, the base stays bit for bit the
 folder's, the optimizer holds state for the adapters alone, and the export is the merged model."""
 
+import json
+import signal
+import subprocess
+
 import jax
 import numpy as np
-from run_fixtures import make_config, overrides
+import pytest
+from run_fixtures import cli, make_config, overrides, step_metrics, wait_for
 
+from arlopti_jax import export
 from arlopti_jax.models import load_params, load_pretrained, logits, lora
 from arlopti_jax.rl import run_setup
 from arlopti_jax.rl.loop import train
 from arlopti_jax.store.checkpoint import Checkpointer
 
 
+LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "model.lora_targets": "q,v,gate", "optim.lr": 1e-3}
+
+
 def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "run", **{
-        "train.max_steps": 2, "train.save_every": 2, "train.export_at_end": True, "model.lora_rank": 4,
-        "model.lora_alpha": 8.0, "model.lora_targets": "q,v,gate", "optim.lr": 1e-3})
+        "train.max_steps": 2, "train.save_every": 2, "train.export_at_end": True, **LORA})
     summary = train(make_config(values))
     assert not summary["preempted"]
 
@@ -36,6 +44,14 @@ def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path):
     sizes = lambda tree: sum(x.size for x in jax.tree.leaves(tree) if np.ndim(x))
     assert sizes(state["opt_state"]) == 2 * sizes(adapters)
 
+    # the adapters alone, in PEFT's layout (tests/models/test_lora.py loads that layout with peft)
+    assert export.main(["--checkpoint", str(tmp_path / "run" / "checkpoints" / "2"), "--out",
+                        str(tmp_path / "adapter"), "--adapter"]) == 0
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8.0 and adapter["target_modules"] == [
+        "gate_proj", "q_proj", "v_proj"]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
     # the exported folder is the merged model: a plain checkpoint with the LoRA model's logits
     export_cfg, exported = load_pretrained(tmp_path / "run" / "export", mesh=mesh)
     assert export_cfg.lora_rank == 0
@@ -43,3 +59,21 @@ def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path):
     mask = np.ones_like(ids)
     np.testing.assert_allclose(logits(export_cfg, exported, ids, mask), logits(cfg, state["params"], ids, mask),
                                atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.slow  # two runs of 4 steps and a killed one
+def test_a_killed_lora_run_resumes_to_the_uninterrupted_one(start_point, tmp_path):
+    """On the tests' 8 host devices (fsdp=8): the adapters sharded like their weights."""
+    train(make_config(overrides(start_point, tmp_path / "a", **LORA)))
+    want = step_metrics(tmp_path / "a")
+    values = overrides(start_point, tmp_path / "b", **LORA)
+    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (tmp_path / "b" / "checkpoints" / "2" / "commit_success.txt").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(step_metrics(tmp_path / "b")) < 4, "the kill came too late to test anything"
+    train(make_config({**values, "resume": "auto"}))
+    got = step_metrics(tmp_path / "b")
+    assert set(got) == set(want) == {1, 2, 3, 4}
+    for step in want:
+        assert got[step] == want[step], f"step {step} differs after resume"
