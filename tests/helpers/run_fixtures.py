@@ -58,3 +58,18 @@ def wait_for(predicate, proc, timeout=600):
             proc.kill()
             raise AssertionError("timed out waiting for the training process")
         time.sleep(0.5)
+
+
+def kill_after_checkpoint(values: dict, step: int = 2, env: dict | None = None) -> None:
+    """Run ``values`` as a separate ``train`` process and SIGKILL it once checkpoint ``step`` is
+    complete (before the run's last step, or the kill tests nothing)."""
+    import signal
+    import subprocess
+
+    run_dir = Path(values["run_dir"])
+    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    wait_for(lambda: (run_dir / "checkpoints" / str(step) / "commit_success.txt").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(step_metrics(run_dir)) < values.get("train.max_steps", 4), "the kill came too late to test anything"
+

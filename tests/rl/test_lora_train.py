@@ -2,13 +2,11 @@
 folder's, the optimizer holds state for the adapters alone, and the export is the merged model."""
 
 import json
-import signal
-import subprocess
 
 import jax
 import numpy as np
 import pytest
-from run_fixtures import cli, make_config, overrides, step_metrics, wait_for
+from run_fixtures import kill_after_checkpoint, make_config, overrides, step_metrics
 
 from arlopti_jax import export
 from arlopti_jax.models import load_params, load_pretrained, logits, lora
@@ -67,11 +65,7 @@ def test_a_killed_lora_run_resumes_to_the_uninterrupted_one(start_point, tmp_pat
     train(make_config(overrides(start_point, tmp_path / "a", **LORA)))
     want = step_metrics(tmp_path / "a")
     values = overrides(start_point, tmp_path / "b", **LORA)
-    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: (tmp_path / "b" / "checkpoints" / "2" / "commit_success.txt").exists(), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert max(step_metrics(tmp_path / "b")) < 4, "the kill came too late to test anything"
+    kill_after_checkpoint(values)
     train(make_config({**values, "resume": "auto"}))
     got = step_metrics(tmp_path / "b")
     assert set(got) == set(want) == {1, 2, 3, 4}

@@ -17,7 +17,8 @@ from arlopti_jax.runtime import compiles
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.train import train
 
-from run_fixtures import TIMING, cli, make_config, overrides, step_metrics, wait_for  # noqa: F401
+from run_fixtures import (TIMING, cli, kill_after_checkpoint, make_config, overrides, step_metrics,  # noqa: F401
+                          wait_for)
 
 
 def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
@@ -32,12 +33,7 @@ def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
 
     # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
     values = overrides(start_point, tmp_path / "b")
-    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: (tmp_path / "b" / "checkpoints" / "2" / "commit_success.txt").exists(), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    got_before = step_metrics(tmp_path / "b")
-    assert max(got_before) < 4, "the kill came too late to test anything"
+    kill_after_checkpoint(values)
     train(make_config({**values, "resume": "auto"}))
     got = step_metrics(tmp_path / "b")
     for step in (1, 2, 3, 4):
@@ -83,11 +79,7 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
     values["run_dir"] = str(tmp_path / "b")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "helpers"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    wait_for(lambda: (tmp_path / "b" / "checkpoints" / "2" / "commit_success.txt").exists(), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert max(step_metrics(tmp_path / "b")) < 4, "the kill came too late to test anything"
+    kill_after_checkpoint(values, env=env)
     train(make_config({**values, "resume": "auto"}))
     got = step_metrics(tmp_path / "b")
     for step in (0, 1, 2, 3, 4):
