@@ -70,10 +70,11 @@ def delta(scale: float, a, b) -> jax.Array:
     return scale * jax.vmap(lambda x, y: jnp.tensordot(x, y, axes=1))(a.astype(jnp.float32), b.astype(jnp.float32))
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def merge(cfg: ModelConfig, params: dict) -> dict:
     """The base tree with each adapted weight replaced by W + (alpha / r) A B (in W's dtype) and
     no adapter leaves: a plain model of ``cfg.replace(lora_rank=0)`` (export, and a sampler that
-    prefers one product per projection)."""
+    prefers one product per projection). One compiled program."""
     flat = traverse_util.flatten_dict(params)
     out = {}
     for key, value in flat.items():
