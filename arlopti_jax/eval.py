@@ -22,6 +22,7 @@ import jax
 
 from arlopti_jax.runtime import chips
 from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.models import lora
 from arlopti_jax.rl import run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG
@@ -69,6 +70,12 @@ def main(argv) -> int:
     if checkpoint and not (Path(checkpoint).is_dir() and Path(checkpoint).name.isdigit()):
         print(f"error: --checkpoint={checkpoint}: not a checkpoint step folder (…/checkpoints/<step>)", file=sys.stderr)
         return 2
+    try:
+        if checkpoint:  # a LoRA checkpoint's adapters go with the base they were trained on
+            run_setup.check_checkpoint_base(Path(checkpoint), model_path, config.model.lora_rank)
+    except ValueError as err:
+        print(f"error: --checkpoint={checkpoint}: {err}", file=sys.stderr)
+        return 2
     startup_done(COMMAND.name)
     policy = run_setup.load_policy(config, mesh, model_path)
     sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], policy.tokenizer) for f in test_files}
@@ -81,9 +88,11 @@ def main(argv) -> int:
 
         folder = Path(flags.FLAGS.checkpoint)
         ckpt = Checkpointer(folder.parent)
-        state, _ = ckpt.restore(int(folder.name), run.state)
+        state, _ = ckpt.restore(int(folder.name), run_setup.saved_state(policy.model_cfg, run.state))
         ckpt.close()
         params, label = state["params"], str(folder)
+        if policy.model_cfg.lora_rank:  # adapter-only: on the folder's base
+            params = lora.combine(lora.split(policy.params)[0], params)
     evaluator = Evaluator(config, run, policy.tokenizer, sets, load_reward_fn(config.reward.fn or None))
     start = time.time()
     generations = None

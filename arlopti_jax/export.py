@@ -24,7 +24,7 @@ import ml_collections
 from arlopti_jax.rl import run_setup
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.config.cli import startup_done
-from arlopti_jax.models import lora, save_pretrained
+from arlopti_jax.models import load_params, lora, save_pretrained
 from arlopti_jax.models.hf import save_adapter
 
 
@@ -53,7 +53,9 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[Path, ml_collections.Config
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"{model_path}, the model folder {meta_file} names (architecture and tokenizer), "
                                 "has no config.json")
-    return folder, ml_collections.ConfigDict(json.loads(meta["config"])), model_path
+    config = ml_collections.ConfigDict(json.loads(meta["config"]))
+    run_setup.check_checkpoint_base(folder, model_path, int(config.model.get("lora_rank", 0)))
+    return folder, config, model_path
 
 
 def export(checkpoint: str | Path, out: str | Path, adapter: bool = False) -> Path:
@@ -68,11 +70,15 @@ def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, ou
     mesh = run_setup.make_mesh(config)
     optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
     ckpt = Checkpointer(folder.parent)
-    state, _ = ckpt.restore(int(folder.name), run_setup.abstract_state(model_cfg, optimizer, mesh))
+    state, _ = ckpt.restore(int(folder.name), run_setup.saved_state(
+        model_cfg, run_setup.abstract_state(model_cfg, optimizer, mesh)))
     ckpt.close()
     if adapter:
         return save_adapter(model_cfg, state["params"], out, base_model=config.model.path or str(model_path))
-    return save_pretrained(*lora.plain(model_cfg, state["params"]), out, tokenizer_dir=model_path)
+    params = state["params"]
+    if model_cfg.lora_rank:  # adapter-only: on the base model folder (its hash checked by read_checkpoint)
+        params = lora.combine(load_params(model_path, model_cfg.replace(lora_rank=0), mesh), params)
+    return save_pretrained(*lora.plain(model_cfg, params), out, tokenizer_dir=model_path)
 
 
 def main(argv=None) -> int:

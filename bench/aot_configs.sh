@@ -34,3 +34,15 @@ compile math v5p-8 "--config=configs/math.py:grpo_ar_lopti"
 # the other named topologies, fsdp over every chip, one sequence per chip per micro-batch
 compile kk3b v4-32 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.micro_batch=16
 compile kk3b v5e-256 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.micro_batch=256
+# LoRA (issue 47): Qwen2.5-7B on ONE H100 with a bfloat16 base, float32 adapters of rank 16 on every projection,
+# 8 prompts x 8 responses (64 rows) per step, beside full fine-tuning of the same step (float32 master weights);
+# and 3B on a v5e-8 with a bfloat16 base, 32 prompts x 8 responses per step (docs/reference/memory.md, LoRA)
+LORA=(--config.model.lora_rank=16 --config.model.lora_alpha=32 --config.model.lora_targets=q,k,v,o,gate,up,down)
+ONE_H100=(--config.mesh.fsdp=1 --config.train.batch_prompts=8 --config.train.mini_batch=32 --config.train.micro_batch=1)
+compile kk7b_lora h100 "--config=configs/kk.py:7b,grpo_ar_lopti" "${ONE_H100[@]}" --config.model.param_dtype=bfloat16 \
+  "${LORA[@]}"
+compile kk7b_full h100 "--config=configs/kk.py:7b,grpo_ar_lopti" "${ONE_H100[@]}"
+compile kk3b_lora v5e-8 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.batch_prompts=32 \
+  --config.train.mini_batch=128 --config.train.micro_batch=8 --config.model.param_dtype=bfloat16 "${LORA[@]}"
+compile kk3b_full v5e-8 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.batch_prompts=32 \
+  --config.train.mini_batch=128 --config.train.micro_batch=8

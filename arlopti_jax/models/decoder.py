@@ -295,7 +295,9 @@ def adapted(module: nn.Module, name: str, spec: str, x: Array, w: Array, axes: t
     (lora_alpha / rank) x ``x`` A B, where A ("{name}_lora_a") maps w's contracted axes to the rank
     and B ("{name}_lora_b") the rank to w's other axes. A starts as PEFT's (Kaiming-uniform over
     its fan-in), B at zero, so a new adapter leaves the model as it was; the adapter is applied
-    unmerged (two thin products), never forming the full-size B A."""
+    unmerged (two thin products), never forming the full-size B A. Adapters are float32 whatever
+    ``param_dtype`` the base has (a bfloat16 base trains float32 adapters and AdamW moments, as
+    PEFT's ``autocast_adapter_dtype`` does)."""
     cfg = module.cfg
     y = project(spec, x, w)
     if not cfg.adapts(name):
@@ -310,9 +312,9 @@ def adapted(module: nn.Module, name: str, spec: str, x: Array, w: Array, axes: t
     a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(len(contracted))),
                                               out_axis=-1)
     a = _param(module, f"{name}_lora_a", a_init, tuple(dims[c] for c in contracted) + (r,),
-               tuple(names[c] for c in contracted) + ("lora_rank",), cfg.weight_dtype)
+               tuple(names[c] for c in contracted) + ("lora_rank",), jnp.float32)
     b = _param(module, f"{name}_lora_b", nn.initializers.zeros, (r,) + tuple(dims[c] for c in kept),
-               ("lora_rank",) + tuple(names[c] for c in kept), cfg.weight_dtype)
+               ("lora_rank",) + tuple(names[c] for c in kept), jnp.float32)
     dt = cfg.compute_dtype
     low = jnp.einsum(f"{x_spec},{contracted}r->{rows}r", x, a.astype(dt))
     return y + cfg.lora_scale * jnp.einsum(f"{rows}r,r{kept}->{out}", low, b.astype(dt))

@@ -105,7 +105,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     train_step = run.train_step
 
     ckpt = run_setup.checkpointer(config)
-    restored = run_setup.restore_from(config, ckpt, run.state)
+    restored = run_setup.restore_from(config, ckpt, run_setup.saved_state(model_cfg, run.state))
     ref_params = None
     if run.use_reference:  # frozen: never donated; with LoRA the base itself, adapters off (no copy)
         ref_params = lora.adapters_off(policy.params) if model_cfg.lora_rank else policy.params
@@ -116,6 +116,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     else:
         start_step, state, meta = restored
         params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
+        if model_cfg.lora_rank:  # the checkpoint's adapters on the folder's base (its hash checked at start-up)
+            params = lora.combine(lora.split(policy.params)[0], params)
         iterator.load_state_dict(meta["data"])
         log.info("resumed from %s/%d", ckpt.directory, start_step)
     policy.params = None  # the trainer owns params from here (donated each step)
@@ -144,8 +146,10 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
 
     def save(step, eval_pending=False):  # eval_pending: the step's evaluation is left to the resumed run
         state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
-        ckpt.save(step, state, {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
-                                "config": config.to_json_best_effort(), "eval_pending": eval_pending})
+        ckpt.save(step, run_setup.saved_state(model_cfg, state),
+                  {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
+                   "config": config.to_json_best_effort(), "eval_pending": eval_pending,
+                   **({"base_sha256": inputs.base_sha256} if model_cfg.lora_rank else {})})
 
     if test_sets and config.train.eval_before and start_step == 0:
         history["before"] = evaluate(0)

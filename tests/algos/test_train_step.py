@@ -391,3 +391,35 @@ def test_schedules_and_reported_lr():
         OptimConfig(schedule="warmup_cosine", warmup_steps=10, total_steps=10)
     with pytest.raises(ValueError, match="OptimConfig.schedule"):
         OptimConfig(schedule="linear")
+
+
+LORA_CFG = CFG.replace(lora_rank=4, lora_alpha=8.0, lora_targets=("q", "v", "o", "gate", "down"))
+
+
+def lora_sgd_delta(mesh_shape, tokens):
+    """One SGD(lr=1) step of a LoRA policy (random base and adapters, B not zero so that A has a
+    gradient too): the parameter change, base and adapters."""
+    mesh = mesh_of(mesh_shape)
+    rng = np.random.default_rng(1)
+    draw = lambda path, leaf: (rng.normal(0.0, 0.02, leaf.shape) * (5 if "scale" in jax.tree_util.keystr(path) else 1)
+                               + ("scale" in jax.tree_util.keystr(path))).astype(np.float32)
+    p0 = jax.device_put(jax.tree_util.tree_map_with_path(draw, abstract_params(LORA_CFG)),
+                        param_shardings(LORA_CFG, mesh))
+    before = host(p0)
+    step = make_train_step(LORA_CFG, NO_KL, SGD, mesh, tokens_per_device=tokens)
+    p1, _, metrics = step(p0, init_opt_state(SGD, LORA_CFG, p0, mesh), train_batch())
+    return jax.tree.map(lambda a, b: a - b, host(p1), before), jax.device_get(metrics)
+
+
+def test_a_lora_step_sharded_over_8_devices_equals_the_single_device_step():
+    from arlopti_jax.models import lora
+
+    single, m_single = lora_sgd_delta(SINGLE, 256)
+    sharded, m_sharded = lora_sgd_delta((("fsdp", 8),), 16)  # fsdp over 8 devices, many micro-batches
+    for delta in (single, sharded):
+        base, adapters = lora.split(delta)
+        assert max(float(np.abs(x).max()) for x in jax.tree.leaves(base)) == 0.0  # the base never moves
+        assert min(float(np.abs(x).max()) for x in jax.tree.leaves(adapters)) > 1e-6  # every adapter does
+    assert max_diff(single, sharded) < 1e-5
+    np.testing.assert_allclose(m_sharded["loss"], m_single["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m_sharded["grad_norm"], m_single["grad_norm"], rtol=1e-5)

@@ -134,3 +134,19 @@ def test_the_exported_peft_adapter_and_merged_folder_give_our_logits_in_transfor
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         np.testing.assert_allclose(merged(torch.from_numpy(ids)).logits.numpy(), ours, atol=2e-3)
+
+
+def test_a_bfloat16_base_gets_float32_adapters(mesh):
+    """The base keeps param_dtype bfloat16; its adapters (and so their AdamW moments) are float32,
+    and fresh ones still leave the base's logits exactly."""
+    base_cfg = dataclasses.replace(BASE, param_dtype="bfloat16")
+    cfg = dataclasses.replace(base_cfg, lora_rank=4, lora_targets=("q", "down"))
+    base_params = init_params(base_cfg, jax.random.key(0), mesh)
+    params = _with_adapters(cfg, base_params, mesh)
+    base, adapters = lora.split(params)
+    assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+    ids, mask = _batch()
+    np.testing.assert_array_equal(logits(cfg, params, ids, mask), logits(base_cfg, base_params, ids, mask))
+    merged = lora.merge(cfg, _with_adapters(cfg, base_params, mesh, b_scale=0.5))
+    assert {x.dtype for x in jax.tree.leaves(merged)} == {jnp.dtype(jnp.bfloat16)}  # the base's dtype

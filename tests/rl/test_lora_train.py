@@ -1,11 +1,16 @@
 """A LoRA run (``model.lora_rank``): only the adapters train, the base stays bit for bit the
 folder's, the optimizer holds state for the adapters alone, and the export is the merged model."""
 
+import hashlib
 import json
+import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from run_fixtures import kill_after_checkpoint, make_config, overrides, step_metrics
 
 from arlopti_jax import export
@@ -18,23 +23,31 @@ from arlopti_jax.store.checkpoint import Checkpointer
 LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "model.lora_targets": "q,v,gate", "optim.lr": 1e-3}
 
 
-def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path):
+def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path, capsys):
+    base_dir = tmp_path / "base"  # a copy: changed below, to see a checkpoint refuse another base
+    shutil.copytree(start_point / "model", base_dir)
     values = overrides(start_point, tmp_path / "run", **{
-        "train.max_steps": 2, "train.save_every": 2, "train.export_at_end": True, **LORA})
+        "model.path": str(base_dir), "train.max_steps": 2, "train.save_every": 2, "train.export_at_end": True,
+        **LORA})
     summary = train(make_config(values))
     assert not summary["preempted"]
 
     config = make_config(values)
     mesh = run_setup.make_mesh(config)
-    cfg = run_setup.model_config(config, start_point / "model")
+    cfg = run_setup.model_config(config, base_dir)
     optimizer = run_setup.make_optimizer(config, 2)
-    ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
-    state, _ = ckpt.restore(2, run_setup.abstract_state(cfg, optimizer, mesh))
+    step_dir = tmp_path / "run" / "checkpoints" / "2"
+    ckpt = Checkpointer(step_dir.parent)
+    state, meta = ckpt.restore(2, run_setup.saved_state(cfg, run_setup.abstract_state(cfg, optimizer, mesh)))
     ckpt.close()
-    base, adapters = lora.split(state["params"])
-    folder = load_params(start_point / "model", cfg.replace(lora_rank=0), mesh)
-    for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(folder), strict=True):
-        np.testing.assert_array_equal(got, want)  # the base never moved
+    # the checkpoint holds the adapters, their optimizer state and the base's hash, not the base
+    adapters = state["params"]
+    assert lora.split(adapters)[0] == {}
+    assert meta["base_sha256"] == hashlib.sha256(b"".join(
+        name.encode() + b"\0" + hashlib.sha256((base_dir / name).read_bytes()).digest()
+        for name in sorted(["config.json", "model.safetensors"]))).hexdigest()
+    ckpt_bytes = sum(f.stat().st_size for f in (step_dir / "state").rglob("*") if f.is_file())
+    assert ckpt_bytes < (base_dir / "model.safetensors").stat().st_size / 4
     flat = jax.tree_util.tree_flatten_with_path(adapters)[0]
     assert {str(p[-1].key) for p, _ in flat} == {f"{t}_lora_{m}" for t in ("q", "v", "gate") for m in "ab"}
     assert all(np.abs(np.asarray(b)).max() > 0 for p, b in flat if str(p[-1].key).endswith("_lora_b"))  # trained
@@ -43,20 +56,65 @@ def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path):
     assert sizes(state["opt_state"]) == 2 * sizes(adapters)
 
     # the adapters alone, in PEFT's layout (tests/models/test_lora.py loads that layout with peft)
-    assert export.main(["--checkpoint", str(tmp_path / "run" / "checkpoints" / "2"), "--out",
-                        str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert export.main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "adapter"), "--adapter"]) == 0
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 4 and adapter["lora_alpha"] == 8.0 and adapter["target_modules"] == [
         "gate_proj", "q_proj", "v_proj"]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
-    # the exported folder is the merged model: a plain checkpoint with the LoRA model's logits
-    export_cfg, exported = load_pretrained(tmp_path / "run" / "export", mesh=mesh)
-    assert export_cfg.lora_rank == 0
+    # the exported folders are the merged model: plain checkpoints with the LoRA model's logits, at the
+    # run's end and from the checkpoint (the adapters on the base folder's weights)
+    whole = lora.combine(load_params(base_dir, cfg.replace(lora_rank=0), mesh), adapters)
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 9)).astype(np.int32)
     mask = np.ones_like(ids)
-    np.testing.assert_allclose(logits(export_cfg, exported, ids, mask), logits(cfg, state["params"], ids, mask),
-                               atol=2e-4, rtol=2e-4)
+    want = logits(cfg, whole, ids, mask)
+    assert export.main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "merged")]) == 0
+    for folder in (tmp_path / "run" / "export", tmp_path / "merged"):
+        export_cfg, exported = load_pretrained(folder, mesh=mesh)
+        assert export_cfg.lora_rank == 0
+        np.testing.assert_allclose(logits(export_cfg, exported, ids, mask), want, atol=2e-4, rtol=2e-4)
+
+    # `eval --checkpoint` of the LoRA run scores what the merged folder scores
+    test_file = sorted((start_point / "data").glob("test*.parquet"))[0]
+    flags = [f"--config.{k}={v}" for k, v in {**values, "data.train_files": "", "data.test_files": test_file,
+                                                "run_dir": tmp_path / "eval"}.items()]
+    evaluate = lambda *extra: subprocess.run([sys.executable, "-m", "arlopti_jax.eval", *flags, *extra],
+                                             capture_output=True, text=True, timeout=300)
+    proc = evaluate(f"--checkpoint={step_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = evaluate(f"--config.model.path={tmp_path / 'merged'}", "--config.model.lora_rank=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lora_eval, merged_eval = (json.loads(line) for line in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines())
+    key = f"eval/{test_file.stem}/greedy_reward"  # the accuracy of this tiny start point is 0
+    assert lora_eval[key] == merged_eval[key] != 0, (lora_eval[key], merged_eval[key])
+
+    # another base under the same path: resuming, exporting and evaluating are refused in one line
+    weights = safetensors.numpy.load_file(base_dir / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + np.ones_like(weights[name])
+    safetensors.numpy.save_file(weights, base_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"checkpoints/2 holds adapters trained on the base .*not on .*base"):
+        run_setup.prepare_inputs(make_config({**values, "resume": "auto"}))
+    capsys.readouterr()
+    assert export.main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "use the same base model" in err
+    assert not (tmp_path / "other").exists()
+    proc = evaluate(f"--checkpoint={step_dir}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: --checkpoint=") and "use the same base model" in proc.stderr
+
+
+def test_a_checkpoint_and_a_config_that_disagree_on_lora_are_refused(tmp_path):
+    for saved_rank, rank, needle in ((0, 4, "model.lora_rank=0; this one has model.lora_rank=4"),
+                                     (4, 0, "model.lora_rank=4; this one has model.lora_rank=0"),
+                                     (4, 4, "records no base model hash")):
+        folder = tmp_path / f"r{saved_rank}_{rank}" / "checkpoints" / "3"
+        (folder / "meta").mkdir(parents=True)
+        (folder / "meta" / "metadata").write_text(json.dumps(
+            {"step": 3, "config": json.dumps({"model": {"lora_rank": saved_rank}})}))
+        with pytest.raises(ValueError, match=needle):
+            run_setup.check_checkpoint_base(folder, tmp_path, rank)
 
 
 @pytest.mark.slow  # two runs of 4 steps and a killed one
