@@ -161,11 +161,21 @@ def world(tmp_path_factory):
     (checkpoint / "meta").mkdir(parents=True)
     (checkpoint / "meta" / "metadata").write_text(json.dumps({"config": get_config().to_json(),
                                                               "model_path": str(model)}))
+    # a LoRA run's (export --adapter): adapters of rank 16 on the stand-in model, by its hash
+    from arlopti_jax.rl.run_setup import base_digest
+
+    lora_config = get_config()
+    lora_config.model.lora_rank = 16
+    checkpoint_lora = root / "stand_in" / "lora_run" / "checkpoints" / "16"
+    (checkpoint_lora / "meta").mkdir(parents=True)
+    (checkpoint_lora / "meta" / "metadata").write_text(json.dumps(
+        {"config": lora_config.to_json(), "model_path": str(model), "base_sha256": base_digest(model)}))
     # a --matched sweep's records (what reproduce --report-only reads before its work)
     records = root / "stand_in" / "sweep"
     records.mkdir(parents=True)
     (records / "results.json").write_text(json.dumps({"runs": {"grpo/seed0": {"finished": True}}, "matched": {}}))
-    return {"root": root, "model": model, "checkpoint": checkpoint, "records": records,
+    return {"root": root, "model": model, "checkpoint": checkpoint, "checkpoint_lora": checkpoint_lora,
+            "records": records,
             "data_file": root / "data" / "kk" / "3ppl" / "train.parquet"}
 
 
@@ -252,7 +262,7 @@ def substitute(args: list[str], paths: dict[str, str], world) -> list[str]:
         if flag in MODEL_FLAGS:
             new = str(world["model"])
         elif flag in CHECKPOINT_FLAGS:
-            new = str(world["checkpoint"])
+            new = str(world["checkpoint_lora" if "--adapter" in args else "checkpoint"])
         elif flag == "--out":  # a sweep's records (reproduce --report-only)
             new = str(world["records"])
         else:  # data: the same path in the miniature layout, else one of its files
@@ -445,8 +455,42 @@ SMALLER = {"max_response_len=512": "max_response_len=16"}
 
 
 def python_examples() -> str:
-    """The README's Python blocks as one program (later blocks use the earlier ones' names)."""
-    return "\n".join(text for _, kind, text in readme_examples() if kind == "python")
+    """The README's Python blocks as one program (later blocks use the earlier ones' names), but
+    the LoRA section's (``test_the_readme_lora_example_runs``)."""
+    return "\n".join(text for _, kind, text in readme_examples() if kind == "python" and "peft" not in text)
+
+
+@pytest.mark.slow  # a LoRA run of 2 steps on the stand-in model, its export and PEFT
+def test_the_readme_lora_example_runs(world, start_point, tmp_path):
+    """The README's LoRA section end to end on the tests' start point model: its train command (cut to 2
+    steps), its `export --adapter` of that run's checkpoint, and its Python block, which loads the
+    adapter onto the base with peft and transformers."""
+    examples = readme_examples()
+    [train] = [shlex.split(t) for _, k, t in examples if k == "shell" and "lora_rank" in t and "train" in t]
+    [export] = [shlex.split(t) for _, k, t in examples if k == "shell" and "--adapter" in t]
+    [block] = [t for _, k, t in examples if k == "python" and "peft" in t]
+    root = tmp_path / "checkout"
+    (root / "models").mkdir(parents=True)
+    (root / "models" / "smollm2-135m").symlink_to(start_point / "model", target_is_directory=True)
+    for folder in ("configs", "data"):
+        (root / folder).symlink_to(world["root"] / folder, target_is_directory=True)
+    # 2 steps; the start point's small tokenizer makes the arithmetic prompts longer than SmolLM2's does
+    steps = ["--config.train.max_steps=2", "--config.train.save_every=2", "--config.train.eval_every=2",
+             "--config.data.max_prompt_length=512"]
+    for command in (train[1:] + steps, [a.replace("checkpoints/16", "checkpoints/2") for a in export[1:]]):
+        proc = subprocess.run([sys.executable, *command], cwd=root, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        scope = {"__name__": "__main__"}
+        exec(compile(block, "README.md (LoRA)", "exec"), scope)
+    finally:
+        os.chdir(cwd)
+    config = scope["model"].peft_config["default"]
+    assert config.r == 16 and config.lora_alpha == 32
+    layers = scope["base"].config.num_hidden_layers
+    assert sum("lora_A" in name for name, _ in scope["model"].named_parameters()) == 7 * layers  # every projection
 
 
 def test_python_examples_run(world, monkeypatch):
