@@ -41,12 +41,12 @@ def _size_in_name(name: str) -> str | None:
 
 
 def for_config(config) -> tuple[ModelConfig, tuple[int, ...], int, str]:
-    """(ModelConfig with the config's numerics, EOS ids, pad id, where the shape came from)."""
+    """(ModelConfig with the config's numerics and LoRA settings, EOS ids, pad id, where the shape
+    came from)."""
     from arlopti_jax.rl import run_setup
 
     m = config.model
-    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, unroll_layers=m.unroll_layers,
-                    attention=m.get("attention", "auto"))
+    numerics = run_setup.model_settings(config)  # LoRA's fields too
     if not m.path:  # the embedded start point: its own folder once built, as train reads it
         try:
             path = run_setup.resolve_paths(config, need_train=False, build=False)[0]

@@ -87,15 +87,18 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
     return Path(model), files("train_files", train) if need_train else [], files("test_files", test)
 
 
-def model_config(config, model_path: Path) -> ModelConfig:
-    """The model's shape from its folder's config.json, with the config's numerics."""
+def model_settings(config) -> dict:
+    """The ModelConfig fields the run's config sets beside the model's shape: numerics and LoRA."""
     m = config.model
     targets = tuple(t for t in str(m.get("lora_targets", "q")).split(",") if t)  # .get: checkpoints from before LoRA
-    return ModelConfig.from_pretrained(model_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                                       unroll_layers=m.unroll_layers, attention=m.get("attention", "auto"),
-                                       lora_rank=int(m.get("lora_rank", 0)),
-                                       lora_alpha=float(m.get("lora_alpha", 16.0)),
-                                       lora_targets=targets)
+    return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, unroll_layers=m.unroll_layers,
+                attention=m.get("attention", "auto"), lora_rank=int(m.get("lora_rank", 0)),
+                lora_alpha=float(m.get("lora_alpha", 16.0)), lora_targets=targets)
+
+
+def model_config(config, model_path: Path) -> ModelConfig:
+    """The model's shape from its folder's config.json, with the config's settings (``model_settings``)."""
+    return ModelConfig.from_pretrained(model_path, **model_settings(config))
 
 
 def load_tokenizer(model_path: Path):

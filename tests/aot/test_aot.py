@@ -101,6 +101,25 @@ def test_compiler_argument_bytes_equal_a_count_of_the_sharded_state():
     assert record["resident_bytes_per_device"] - 12 * per_device < 64  # no reference policy
 
 
+def test_a_lora_step_holds_the_base_once_and_optimizer_state_for_the_adapters_alone():
+    """LoRA (rank 4 on q and down) compiled for one H100 without a model folder (the preset's shape
+    takes the config's LoRA fields too): the optimizer step's arguments are the adapters, their
+    two moments and their gradient accumulator (4 x 4 bytes per adapter weight), and the resident
+    state is the base once (it is the reference policy too, KL on) and the adapters with their
+    moments, counted here from the shapes."""
+    from arlopti_jax.aot.check import check
+    from arlopti_jax.embedded.start_point import SCALES, model_config
+
+    config = small_config(**{"model.unroll_layers": False, "model.lora_rank": 4, "model.lora_targets": "q,down"})
+    record = check(config, targets.get("h100"), groups=("update",))
+    cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"])
+    q_out = cfg.num_heads * cfg.head_dim
+    adapters = cfg.num_layers * 4 * (cfg.hidden_size + q_out + cfg.intermediate_size + cfg.hidden_size)
+    apply = next(p for p in record["programs"] if p["name"].startswith("apply"))
+    assert 0 <= apply["memory"]["argument"] - 16 * adapters < 256, (apply["memory"], adapters)
+    assert 0 <= record["resident_bytes_per_device"] - (4 * cfg.num_params() + 12 * adapters) < 64
+
+
 def test_a_config_that_cannot_fit_gets_one_line():
     env = {**os.environ, "XLA_FLAGS": ""}
     args = ["--config.train.batch_prompts=512", "--config.rollout.n=16", "--config.rollout.max_response_length=8192",
