@@ -244,11 +244,12 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     writer.close()
     preempted.close()
     finished = not stop
+    history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
+                          compile_log.programs - history.get("warm", compile_log.programs))
+    compile_log.warm(False)  # training is over: the export's programs (a LoRA merge) are not late compiles
     export_dir = None
     if finished and config.train.export_at_end:
         export_dir = save_pretrained(*lora.plain(model_cfg, params), run_dir / "export", tokenizer_dir=model_path)
-    history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
-                          compile_log.programs - history.get("warm", compile_log.programs))
     return summarize(config, history, started, export_dir, preempted=not finished,
                      chance=chance_levels(test_sets))
 

@@ -31,6 +31,7 @@ def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path, capsys):
         **LORA})
     summary = train(make_config(values))
     assert not summary["preempted"]
+    assert summary["compile"][2] == 0  # nothing compiled after the first step: the end's merge is the export's
 
     config = make_config(values)
     mesh = run_setup.make_mesh(config)

@@ -188,6 +188,38 @@ def test_two_processes_killed_at_each_write_resume_exactly(start_point, tmp_path
     assert (tmp_path / "run" / "generations" / "step_4" / "test_2ppl.process1.jsonl").is_file()
 
 
+LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "model.lora_targets": "q,v,gate", "optim.lr": 1e-3}
+
+
+@pytest.mark.slow
+def test_a_lora_run_killed_at_its_checkpoint_writes_resumes_exactly(start_point, tmp_path):
+    """LoRA (adapter-only checkpoints, the base checked by its hash): one process killed while
+    checkpoint 4 is written and just after checkpoint 2 is committed, then two processes killed
+    after checkpoint 2's commit; each resumed run's records equal its uninterrupted run's."""
+    reference = tmp_path / "reference"
+    train(make_config(run_values(start_point, reference, **LORA)))
+    for fault in ("checkpoint_write:2", "checkpoint_committed:1"):
+        values = run_values(start_point, tmp_path / fault.replace(":", "_"), **LORA)
+        killed = subprocess.run(cli(values), capture_output=True, text=True, env=env_with(**{faults.ENV: fault}),
+                                timeout=600)
+        assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
+        assert ONE_PROCESS[fault](Path(values["run_dir"])), f"{fault}: the crash did not leave what it should"
+        train(make_config({**values, "resume": "auto"}))
+        assert_same(records(Path(values["run_dir"])), records(reference), f"LoRA, {fault}")
+
+    values = run_values(start_point, tmp_path / "two", **{**LORA, "mesh.fsdp": 8,
+                                                         "distributed.heartbeat_timeout_s": 10})
+    reference = launch({**values, "run_dir": str(tmp_path / "two_reference")}, tmp_path / "logs_reference")
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    crashed = launch(values, tmp_path / "logs_crashed", **{faults.ENV: "checkpoint_committed:1@0"})
+    assert crashed.returncode == 137, crashed.stdout[-3000:]
+    done = launch(values, tmp_path / "logs_done")
+    assert done.returncode == 0, done.stdout[-3000:]
+    resumed = (tmp_path / "logs_done" / "process_0.log").read_text()
+    assert f"resumed from {tmp_path / 'two' / 'checkpoints'}/2" in resumed
+    assert_same(records(tmp_path / "two"), records(tmp_path / "two_reference"), "LoRA, two processes")
+
+
 # ---- the sweep and the start point's cache ----
 
 SWEEP = ["--quick", "--variants", "grpo,grpo_ar", "--seeds", "0", "--diagnostics-every", "0"]
