@@ -59,10 +59,10 @@ def main(argv=None) -> int:
     key = jax.random.key(3)
 
     def run_unmerged():
-        return np.asarray(unmerged.generate(params, prompts, 1, key, sampling).tokens)
+        return np.asarray(unmerged.generate(params, prompts, 1, key, sampling).response_ids)
 
     def run_merged():
-        return np.asarray(merged.generate(lora.merge(cfg, params), prompts, 1, key, sampling).tokens)
+        return np.asarray(merged.generate(lora.merge(cfg, params), prompts, 1, key, sampling).response_ids)
 
     sides = {"unmerged": run_unmerged, "merged": run_merged}
     tokens = {name: fn() for name, fn in sides.items()}  # compiles

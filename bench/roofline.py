@@ -59,6 +59,9 @@ def parse_args():
     d.add_argument("--slots", default="", help="cache slots to compile (default prompt + response)")
     d.add_argument("--run", action="store_true", help="--targets local: also run and time the step (ms per step)")
     d.add_argument("--json", default="", help="also write the figures, one record per (target, rows, slots), here")
+    d.add_argument("--lora-rank", type=int, default=0,
+                   help="the step with LoRA adapters of this rank on every projection, applied unmerged as the "
+                        "sampler applies them (0: the plain model, which merged adapters give)")
     t = sub.add_parser("train", help="one micro-batch's forward and backward")
     t.add_argument("--target", default="v5e-16")
     t.add_argument("--shape", default="3b")
@@ -152,9 +155,11 @@ def decode(args) -> None:
     from arlopti_jax.models import ModelConfig, abstract_params
     from arlopti_jax.rollout import Sampler, SamplingConfig
 
-    cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="bfloat16")
+    cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="bfloat16",
+                                   lora_rank=args.lora_rank)
     sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,))
     print(f"jax {jax.__version__}; Qwen2.5-{args.shape.upper()} shape ({cfg.num_params() / 1e9:.2f}B), bfloat16, "
+          + (f"LoRA rank {args.lora_rank} unmerged, " if args.lora_rank else "") +
           f"prompt {args.prompt} + response {args.response}; compiler figures (compile-only), not runs\n")
     records = []
     for name in args.targets.split(","):
