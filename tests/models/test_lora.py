@@ -150,3 +150,21 @@ def test_a_bfloat16_base_gets_float32_adapters(mesh):
     np.testing.assert_array_equal(logits(cfg, params, ids, mask), logits(base_cfg, base_params, ids, mask))
     merged = lora.merge(cfg, _with_adapters(cfg, base_params, mesh, b_scale=0.5))
     assert {x.dtype for x in jax.tree.leaves(merged)} == {jnp.dtype(jnp.bfloat16)}  # the base's dtype
+
+
+def test_the_sampler_samples_a_lora_policy_as_its_written_out_weights(mesh):
+    """A LoRA policy's rollout (the sampler merges the adapters once, then runs the plain model)
+    draws the tokens a plain sampler draws from W + (alpha / r) A B written out here, with the
+    same log-probs, and they are not the base model's."""
+    from arlopti_jax.rollout import Sampler, SamplingConfig
+
+    cfg = dataclasses.replace(BASE, lora_rank=4, lora_alpha=16.0)
+    base_params = init_params(BASE, jax.random.key(0), mesh)
+    params = _with_adapters(cfg, base_params, mesh, b_scale=0.5)
+    prompts = [list(range(3, 9)), list(range(10, 14)), list(range(20, 27))]
+    sampling = SamplingConfig(max_response_len=8, eos_ids=(), prompt_bucket=8, batch_bucket=4, length_aware=False)
+    run = lambda c, p: Sampler(c, mesh).generate(p, prompts, 2, jax.random.key(5), sampling)
+    got, want, base = run(cfg, params), run(BASE, _transcribed(cfg, params)), run(BASE, base_params)
+    np.testing.assert_array_equal(got.response_ids, want.response_ids)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    assert not np.array_equal(got.response_ids, base.response_ids)
