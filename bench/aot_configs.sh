@@ -42,6 +42,9 @@ ONE_H100=(--config.mesh.fsdp=1 --config.train.batch_prompts=8 --config.train.min
 compile kk7b_lora h100 "--config=configs/kk.py:7b,grpo_ar_lopti" "${ONE_H100[@]}" --config.model.param_dtype=bfloat16 \
   "${LORA[@]}"
 compile kk7b_full h100 "--config=configs/kk.py:7b,grpo_ar_lopti" "${ONE_H100[@]}"
+# the next batch up: 16 prompts x 8 responses (128 rows)
+compile kk7b_lora_16prompts h100 "--config=configs/kk.py:7b,grpo_ar_lopti" "${ONE_H100[@]}" \
+  --config.train.batch_prompts=16 --config.train.mini_batch=64 --config.model.param_dtype=bfloat16 "${LORA[@]}"
 compile kk3b_lora v5e-8 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.batch_prompts=32 \
   --config.train.mini_batch=128 --config.train.micro_batch=8 --config.model.param_dtype=bfloat16 "${LORA[@]}"
 compile kk3b_full v5e-8 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.batch_prompts=32 \
