@@ -16,6 +16,7 @@ from run_fixtures import kill_after_checkpoint, make_config, overrides, step_met
 from arlopti_jax import export
 from arlopti_jax.models import load_params, load_pretrained, logits, lora
 from arlopti_jax.rl import run_setup
+from arlopti_jax.experiments.sweep import MATCHED_METHODS, METHOD_BASE, VARIANTS
 from arlopti_jax.rl.loop import train
 from arlopti_jax.store.checkpoint import Checkpointer
 
@@ -131,3 +132,19 @@ def test_a_killed_lora_run_resumes_to_the_uninterrupted_one(start_point, tmp_pat
     assert set(got) == set(want) == {1, 2, 3, 4}
     for step in want:
         assert got[step] == want[step], f"step {step} differs after resume"
+
+
+@pytest.mark.slow  # one step of each method
+@pytest.mark.parametrize("variant", [*MATCHED_METHODS, "dapo_filter"])
+def test_every_method_trains_the_adapters(variant, start_point, tmp_path):
+    """Each method of the matched comparison, and DAPO's group filter, with LoRA: a step that
+    moves the adapters (a finite, nonzero gradient), with the quartile diagnostics and the
+    shared-prefix update as the defaults run them."""
+    method = {**METHOD_BASE, **({"algo.filter_groups": True} if variant == "dapo_filter" else VARIANTS[variant][1])}
+    values = overrides(start_point, tmp_path / "run", **{**LORA, **method, "train.max_steps": 1,
+                                                         "train.save_every": 1, "train.diagnostics_every": 1})
+    assert not train(make_config(values))["preempted"]
+    [metrics] = step_metrics(tmp_path / "run").values()
+    norms = [v for k, v in metrics.items() if k.startswith("update/") and k.endswith("grad_norm")]  # Lopti: 2
+    assert len(norms) == (2 if "lopti" in variant else 1) and all(np.isfinite(norms)) and max(norms) > 0, metrics
+    assert all(metrics[f"quartile/q{i}_grad_norm"] > 0 for i in range(1, 5)), metrics  # the diagnostics' passes
