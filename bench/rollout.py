@@ -72,6 +72,9 @@ def parse_args(argv=None):
                    help="timed rounds (after one warm-up call per side); --iters: its older name")
     p.add_argument("--peak-bw", type=float, help="peak memory bandwidth in GB/s (default: table by device)")
     p.add_argument("--skip-hf", action="store_true", help="fixed lengths: time ours only")
+    p.add_argument("--decode-attention", default="auto",
+                   help="fixed lengths: ModelConfig.decode_attention of ours, comma-separated to time each in the same "
+                        "interleaved rounds (e.g. xla,pallas)")
     p.add_argument("--hf-device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -98,9 +101,10 @@ def response_lengths(rng: np.random.Generator, rows: int, max_len: int, median: 
 
 
 class Ours:
-    def __init__(self, folder: Path, args):
+    def __init__(self, folder: Path, args, decode_attention: str = "auto"):
         self.mesh = shd.make_mesh({"fsdp": -1})
-        self.cfg, self.params = load_pretrained(folder, mesh=self.mesh, dtype=args.dtype, param_dtype=args.dtype)
+        self.cfg, self.params = load_pretrained(folder, mesh=self.mesh, dtype=args.dtype, param_dtype=args.dtype,
+                                                decode_attention=decode_attention)
         self.sampler = Sampler(self.cfg, self.mesh)
         self.key = jax.random.key(args.seed)
 
@@ -174,7 +178,9 @@ def main(argv=None):
     model = common.hf_model(dims, args.dtype, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        ours = Ours(Path(tmp), args)
+        impls = args.decode_attention.split(",")
+        versions = {impl: Ours(Path(tmp), args, impl) for impl in impls}
+        ours = versions[impls[0]]
     dev = jax.devices()[0]
     print(f"model: hidden={dims['hidden']} layers={dims['layers']} heads={dims['heads']} "
           f"kv_heads={dims['kv_heads']} intermediate={dims['intermediate']} vocab={dims['vocab']} "
@@ -226,12 +232,19 @@ def main(argv=None):
         return
 
     sampling = ours.sampling(args, not args.dense)
-    t, roll = timed(ours.generate, prompts, args.group, sampling)
-    assert roll.response_ids.shape == (args.batch, args.gen_len) and roll.lengths.min() == args.gen_len
-    print(f"ours: first call (trace + compile) {t:.1f}s, {compiles.count} compilations", flush=True)
-    prefill, decode = ours.split(prompts, args.group, sampling)
-    step = decode / max(1, args.gen_len - 1)
-    sides = {"ours": lambda: ours.generate(prompts, args.group, sampling)}
+    names = {impl: "ours" if len(versions) == 1 else f"ours ({impl})" for impl in versions}
+    sides, step = {}, None
+    for impl, version in versions.items():
+        before = compiles.count
+        t, roll = timed(version.generate, prompts, args.group, sampling)
+        assert roll.response_ids.shape == (args.batch, args.gen_len) and roll.lengths.min() == args.gen_len
+        print(f"{names[impl]}: first call (trace + compile) {t:.1f}s, {compiles.count - before} compilations",
+              flush=True)
+        prefill, decode = version.split(prompts, args.group, sampling)
+        step = step or decode / max(1, args.gen_len - 1)  # the first version's, for the roofline line
+        print(f"{names[impl]}: prefill + first token {prefill * 1e3:.1f} ms, decode step "
+              f"{decode / max(1, args.gen_len - 1) * 1e3:.2f} ms", flush=True)
+        sides[names[impl]] = lambda version=version: version.generate(prompts, args.group, sampling)
     if not args.skip_hf:
         hf = Transformers(model, args, prompts)
         hf.generate()  # warm-up
@@ -243,13 +256,17 @@ def main(argv=None):
     assert programs <= bound, f"{programs} decode programs compiled, more than the {bound} the sampler may make"
     generated = args.batch * args.gen_len
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f"\nmedians (one interleaved run; ours: prefill + first token {prefill * 1e3:.1f} ms, "
-          f"decode step {step * 1e3:.2f} ms):")
+    print(f"\nmedians (one interleaved run; {names[impls[0]]}: decode step {step * 1e3:.2f} ms):")
     print("| implementation | s/rollout | tokens/s |\n|---|---|---|")
     for name, t in med.items():
         print(f"| {name} | {t:.3f} | {generated / t:,.0f} |")
     if "transformers" in med:
-        print(f"ours / transformers: {med['transformers'] / med['ours']:.2f}x; no compilation after the warm-up")
+        first = names[impls[0]]
+        print(f"{first} / transformers: {med['transformers'] / med[first]:.2f}x; no compilation after the warm-up")
+    if len(versions) > 1:
+        first = med[names[impls[0]]]
+        print("; ".join(f"{name}: {first / t:.2f}x the speed of {names[impls[0]]}" for name, t in med.items()
+                        if name.startswith("ours (") and name != names[impls[0]]))
     if dev.platform == "cpu":
         print("roofline: skipped on CPU")
         return

@@ -59,6 +59,10 @@ def parse_args():
     d.add_argument("--slots", default="", help="cache slots to compile (default prompt + response)")
     d.add_argument("--run", action="store_true", help="--targets local: also run and time the step (ms per step)")
     d.add_argument("--json", default="", help="also write the figures, one record per (target, rows, slots), here")
+    d.add_argument("--decode-attention", default="auto",
+                   help="ModelConfig.decode_attention values to compile, comma-separated (auto: the Pallas kernel on a "
+                        "GPU; xla: XLA's ops; pallas)")
+    d.add_argument("--top-p", type=float, default=1.0, help="the sampler's top_p (< 1: a sort over the vocabulary)")
     d.add_argument("--lora-rank", type=int, default=0,
                    help="the step with LoRA adapters of this rank on every projection, applied unmerged as the "
                         "sampler applies them (0: the plain model, which merged adapters give)")
@@ -157,76 +161,82 @@ def decode(args) -> None:
 
     cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="bfloat16",
                                    lora_rank=args.lora_rank)
-    sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,))
+    sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,), top_p=args.top_p)
     print(f"jax {jax.__version__}; Qwen2.5-{args.shape.upper()} shape ({cfg.num_params() / 1e9:.2f}B), bfloat16, "
           + (f"LoRA rank {args.lora_rank} unmerged, " if args.lora_rank else "") +
-          f"prompt {args.prompt} + response {args.response}; compiler figures (compile-only), not runs\n")
+          f"prompt {args.prompt} + response {args.response}, top_p {args.top_p}; compiler figures (compile-only) "
+          "unless measured\n")
     records = []
     for name in args.targets.split(","):
         target = targets.get(name)
         mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(target))[:1])
         rep = shd.replicated(mesh)
-        params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(cfg))
-        sampler = Sampler(cfg, mesh)
-        if sampler._cast is not None:  # the sampler's own weights (per layer on a GPU)
-            with shd.activate(mesh):
-                lowered = sampler._cast.lower(params)
-                params = jax.tree.map(lambda i, sh: spec(i.shape, i.dtype, sh), lowered.out_info,
-                                      lowered.compile().output_shardings)
-        scalars = step_scalars(rep)
-        counted = False
-        launches = None
-        for rows in (int(r) for r in args.rows.split(",")):
-            for slots in [int(s) for s in args.slots.split(",") if s] or [args.prompt + args.response]:
-                state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
-                line = f"{target.name:6s} rows {rows:4d} slots {slots:5d}:"
-                minimum = min_decode_bytes(cfg, rows, slots)
-                start = time.perf_counter()
-                compiled = compile_step(cfg, mesh, params, state, sampling)
-                seconds = time.perf_counter() - start
+        stored = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(cfg))
+        for impl in args.decode_attention.split(","):  # ModelConfig.decode_attention: the step's attention
+            icfg, params = cfg.replace(decode_attention=impl), stored
+            sampler = Sampler(icfg, mesh)
+            if sampler._cast is not None:  # the sampler's own weights (per layer on a GPU)
                 with shd.activate(mesh):
-                    cost, text = compiled.cost_analysis() or {}, compiled.as_text()
-                    # GPU: the optimized HLO's traffic, as the compile-only h100 figures count it (a real
-                    # device's cost analysis, where it gives one, is printed beside it)
-                    moved = (hlo.Module(text).bytes() if target.platform == "gpu" else
-                             cost.get("bytes accessed") or hlo.Module(text).bytes())
-                    line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
-                             f"({moved / minimum:4.2f}x)")
-                    record = {"target": target.name, "shape": args.shape, "rows": rows, "slots": slots,
-                              "layers": cfg.num_layers, "bytes_per_step": moved, "minimum_bytes": minimum,
-                              "bytes_over_minimum": moved / minimum, "compile_s": seconds,
-                              "cost_analysis_bytes": cost.get("bytes accessed"),
-                              "cost_analysis_flops": cost.get("flops")}
-                    if target.platform == "gpu" and cost.get("bytes accessed"):
-                        line += (f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, "
-                                 f"{cost.get('flops', 0) / 1e9:.0f} GFLOP]")
-                    if "optimal_seconds" in cost:
-                        roof = minimum / target.hbm_bytes_per_s
-                        estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
-                        record.update(tpu_estimate_ms=estimate * 1e3 if estimate else None, roofline_ms=roof * 1e3)
-                        line += (f"; estimate {estimate * 1e3:6.2f} ms (raw {cost['optimal_seconds'] * 1e3:.2f}), "
-                                 f"roofline {roof * 1e3:6.2f} ms ({roof / estimate:.0%})" if estimate else
-                                 f"; estimate {cost['optimal_seconds'] * 1e3:.2f} ms: negative, unusable")
-                        remat = text.count(".remat")
-                        if remat:
-                            line += f"; XLA rematerialised {remat} ops near the chip's memory"
-                        line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
-                    if target.platform == "gpu" and not (args.run and counted):  # a run: the loop's launches once
-                        text, launches = gpu_launches(sampler, params, state, scalars, sampling, cfg)
-                        line += "; " + text
-                        counted = True
-                    if launches is not None:
-                        record["launches"] = launches
-                    if args.run and target.name == "local":
-                        ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20)
-                        bw = target.hbm_bytes_per_s
-                        line += f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the compiler's bytes"
-                        line += (f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: "
-                                 f"{minimum / bw * 1e3 / ms:.0%})" if bw else ")")
-                        record.update(measured_ms=ms, device=str(jax.devices()[0].device_kind),
-                                      roofline_fraction=minimum / bw * 1e3 / ms if bw else None)
-                print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
-                records.append(record)
+                    lowered = sampler._cast.lower(params)
+                    params = jax.tree.map(lambda i, sh: spec(i.shape, i.dtype, sh), lowered.out_info,
+                                          lowered.compile().output_shardings)
+            scalars = step_scalars(rep)
+            counted = False
+            launches = None
+            for rows in (int(r) for r in args.rows.split(",")):
+                for slots in [int(s) for s in args.slots.split(",") if s] or [args.prompt + args.response]:
+                    state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
+                    line = f"{target.name:6s} {impl:6s} rows {rows:4d} slots {slots:5d}:"
+                    minimum = min_decode_bytes(cfg, rows, slots)
+                    start = time.perf_counter()
+                    compiled = compile_step(icfg, mesh, params, state, sampling)
+                    seconds = time.perf_counter() - start
+                    with shd.activate(mesh):
+                        cost, text = compiled.cost_analysis() or {}, compiled.as_text()
+                        # GPU: the optimized HLO's traffic, as the compile-only h100 figures count it (a real
+                        # device's cost analysis, where it gives one, is printed beside it)
+                        moved = (hlo.Module(text).bytes() if target.platform == "gpu" else
+                                 cost.get("bytes accessed") or hlo.Module(text).bytes())
+                        line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
+                                 f"({moved / minimum:4.2f}x)")
+                        record = {"target": target.name, "shape": args.shape, "rows": rows, "slots": slots,
+                                  "decode_attention": impl, "top_p": args.top_p,
+                                  "layers": cfg.num_layers, "bytes_per_step": moved, "minimum_bytes": minimum,
+                                  "bytes_over_minimum": moved / minimum, "compile_s": seconds,
+                                  "cost_analysis_bytes": cost.get("bytes accessed"),
+                                  "cost_analysis_flops": cost.get("flops")}
+                        if target.platform == "gpu" and cost.get("bytes accessed"):
+                            line += (f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, "
+                                     f"{cost.get('flops', 0) / 1e9:.0f} GFLOP]")
+                        if "optimal_seconds" in cost:
+                            roof = minimum / target.hbm_bytes_per_s
+                            estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
+                            record.update(tpu_estimate_ms=estimate * 1e3 if estimate else None, roofline_ms=roof * 1e3)
+                            line += (f"; estimate {estimate * 1e3:6.2f} ms (raw {cost['optimal_seconds'] * 1e3:.2f}), "
+                                     f"roofline {roof * 1e3:6.2f} ms ({roof / estimate:.0%})" if estimate else
+                                     f"; estimate {cost['optimal_seconds'] * 1e3:.2f} ms: negative, unusable")
+                            remat = text.count(".remat")
+                            if remat:
+                                line += f"; XLA rematerialised {remat} ops near the chip's memory"
+                            line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
+                        if target.platform == "gpu" and not (args.run and counted):  # a run: the loop's launches once
+                            text, launches = gpu_launches(sampler, params, state, scalars, sampling, icfg)
+                            line += "; " + text
+                            counted = True
+                        if launches is not None:
+                            record["launches"] = launches
+                        if args.run and target.name == "local":
+                            ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20,
+                                              fill=live_state(args.prompt, cfg.vocab_size))
+                            bw = target.hbm_bytes_per_s
+                            line += (f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the "
+                                     "compiler's bytes")
+                            line += (f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: "
+                                     f"{minimum / bw * 1e3 / ms:.0%})" if bw else ")")
+                            record.update(measured_ms=ms, device=str(jax.devices()[0].device_kind),
+                                          roofline_fraction=minimum / bw * 1e3 / ms if bw else None)
+                    print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
+                    records.append(record)
     if args.json:
         Path(args.json).write_text(json.dumps({"jax": jax.__version__, "figures": "compiler's (compile-only) unless "
                                                "measured_ms", "records": records}, indent=1) + "\n")
@@ -272,19 +282,28 @@ def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers
             f"of the roofline)")
 
 
-def time_program(compiled, args, carry: int, steps: int = 5) -> float:
-    """Milliseconds per call of a compiled program on zero-filled inputs of its abstract ``args``
-    (a PRNG key: key 0; the cost does not depend on the values); its output replaces argument
-    ``carry`` (donated) on the next call, as in the decode and accumulate loops."""
+def time_program(compiled, args, carry: int, steps: int = 5, fill=None) -> float:
+    """Milliseconds per call of a compiled program on random inputs of its abstract ``args`` (floats
+    normal x 0.02, integers 0, a PRNG key: key 0; ``fill(real)`` then sets what the program reads as
+    data, such as a decode state's live slots); its output replaces argument ``carry`` (donated) on the
+    next call, as in the decode and accumulate loops."""
     import jax
     import jax.numpy as jnp
 
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(args))))
+
     def real(a):
-        value = (jax.random.key(0) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else
-                 jnp.zeros(a.shape, a.dtype))
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            value = jax.random.key(0)
+        elif jnp.issubdtype(a.dtype, jnp.floating):
+            value = (0.02 * jax.random.normal(next(keys), a.shape, jnp.float32)).astype(a.dtype)
+        else:
+            value = jnp.zeros(a.shape, a.dtype)
         return jax.device_put(value, a.sharding)
 
     real = list(jax.tree.map(real, args))
+    if fill is not None:
+        real = fill(real)
     real[carry] = compiled(*real)  # warm up
     jax.block_until_ready(real[carry])
     start = time.perf_counter()
@@ -292,6 +311,30 @@ def time_program(compiled, args, carry: int, steps: int = 5) -> float:
         real[carry] = compiled(*real)
     jax.block_until_ready(real[carry])
     return (time.perf_counter() - start) / steps * 1e3
+
+
+def live_state(prompt: int, vocab: int):
+    """``time_program``'s ``fill`` for a decode step: every cache slot live (prompts of ``prompt``
+    tokens, then responses up to the last slot, which this step writes), the cache random, no row
+    finished, tokens drawn from the vocabulary."""
+    import jax
+    import jax.numpy as jnp
+
+    def fill(real):
+        state = real[1]
+        rows, slots = state.kv_mask.shape
+        put = lambda value, like: jax.device_put(jnp.asarray(value, like.dtype).reshape(like.shape), like.sharding)
+        tokens = jax.random.randint(jax.random.key(2), state.tokens.shape, 0, vocab)
+        cache = jax.tree.map(lambda c: put(jax.random.normal(jax.random.key(3), c.shape, jnp.float32), c), state.cache)
+        real[1] = state._replace(
+            cache=cache, kv_mask=put(jnp.ones((rows, slots)), state.kv_mask),
+            prompt_len=put(jnp.full((rows,), prompt), state.prompt_len), tokens=put(tokens, state.tokens),
+            finished=put(jnp.zeros(rows, bool), state.finished), rows=put(jnp.arange(rows), state.rows),
+            stop_at=put(jnp.full((rows,), state.tokens.shape[1] + 1), state.stop_at),
+            prompt_slots=put(prompt, state.prompt_slots), step=put(slots - prompt, state.step))
+        return real
+
+    return fill
 
 
 def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> tuple[str, dict]:

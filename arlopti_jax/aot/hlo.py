@@ -226,6 +226,11 @@ class Module:
             else:
                 outer = self.by_name[comp]
                 total += shape_bytes(inst.shape) + sum(shape_bytes(outer[o].shape) for o in inst.operands if o in outer)
+                if op == "custom-call":  # an output aliased to an operand (a kernel updating a buffer in place)
+                    found = re.search(r"output_to_operand_aliasing=\{(.*?\))\}", inst.attrs)
+                    aliased = re.findall(r"\{[\d,]*\}: \((\d+),", found.group(1)) if found else []
+                    total -= sum(shape_bytes(outer[inst.operands[int(i)]].shape) for i in aliased
+                                 if inst.operands[int(i)] in outer)
         return total
 
     def flops(self, comp: str | None = None) -> float:

@@ -14,7 +14,7 @@ import ml_collections
 from arlopti_jax.runtime.startup import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
 
 from arlopti_jax import algos
-from arlopti_jax.models.config import ATTENTION_IMPLS, LORA_TARGETS
+from arlopti_jax.models.config import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, LORA_TARGETS
 from arlopti_jax.tasks.data import PROMPT_STYLES
 
 # The config file the train and eval commands use without --config: the embedded default (numerics per backend).
@@ -32,7 +32,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "loss.kl_type": tuple(algos.KL_ESTIMATORS), "loss.agg": algos.AGG_MODES, "loss.mode": algos.LOSS_MODES,
             "loss.ratio_level": algos.RATIO_LEVELS, "optim.schedule": algos.SCHEDULES,
             "model.dtype": DTYPES, "model.param_dtype": DTYPES, "model.attention": ATTENTION_IMPLS,
-            "data.prompt_style": PROMPT_STYLES}
+            "model.decode_attention": DECODE_ATTENTION_IMPLS, "data.prompt_style": PROMPT_STYLES}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -50,6 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = True
     c.model.unroll_layers = False  # layers as straight-line code, not a loop (faster on CPU; slower compiles)
     c.model.attention = "auto"  # training/prefill attention: auto (cuDNN's fused kernel on GPUs at 16-bit), xla, cudnn
+    c.model.decode_attention = "auto"  # the sampler's decode attention: auto (the Pallas kernel on GPUs), xla, pallas
     c.model.logprob_chunk = 256  # targets per packed row in each vocab-projection chunk
     c.model.lora_rank = 0  # LoRA adapters' rank (0 = train every weight)
     c.model.lora_alpha = 16.0  # LoRA's scale is lora_alpha / lora_rank
@@ -180,6 +181,9 @@ FIELD_DOCS = {
     "model.remat": "rematerialise each layer in the backward pass",
     "model.attention": "training and prefill attention: 'auto' (cuDNN's fused kernel on a GPU with a 16-bit "
                        "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
+    "model.decode_attention": "the sampler's attention in each decode step: 'auto' (on a GPU the Pallas kernel of "
+                              "models/decode_attention.py, which writes the KV cache and reads only each row's "
+                              "live slots; elsewhere XLA's), 'xla', or 'pallas' (GPU only)",
     "model.unroll_layers": "layers as straight-line code instead of a scanned loop in the training passes: faster "
                            "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py); "
                            "on a GPU or TPU scan against unroll is not yet measured (the embedded default unrolls its "
@@ -340,6 +344,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
         _choice(c, field, allowed)
     _check(platform is None or c.model.attention != "cudnn" or platform == "gpu", "model.attention",
            c.model.attention, f"cuDNN's fused attention runs only on a GPU, and this runs on {platform} "
+           "(use 'auto' or 'xla')")
+    _check(platform is None or c.model.decode_attention != "pallas" or platform == "gpu", "model.decode_attention",
+           c.model.decode_attention, f"the Pallas decode kernel runs only on a GPU, and this runs on {platform} "
            "(use 'auto' or 'xla')")
     _check(c.model.attention != "cudnn" or c.model.dtype == "bfloat16", "model.attention", c.model.attention,
            "cuDNN's fused attention needs model.dtype='bfloat16' ('auto' falls back to XLA by itself)")

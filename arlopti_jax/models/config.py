@@ -14,6 +14,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")  # training / prefill attention (decode reads the KV cache itself)
+DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")  # the sampler's decode steps on a GPU
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 
 
@@ -51,6 +52,9 @@ class ModelConfig:
     remat: bool = False
     unroll_layers: bool = False  # straight-line layers instead of a loop: faster steps, longer compiles
     attention: str = "auto"  # one of ATTENTION_IMPLS: "auto" = cuDNN's fused kernel on GPUs at 16-bit, else XLA
+    # one of DECODE_ATTENTION_IMPLS: "pallas" = models/decode_attention.py's kernel in the sampler's decode steps
+    # on a GPU (interpret mode elsewhere: tests), "xla" = XLA's ops, "auto" = the kernel on a GPU
+    decode_attention: str = "auto"
     # LoRA: each target projection W gets W + (lora_alpha / lora_rank) B A, A of rank lora_rank (0 = off)
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -62,6 +66,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: allowed {sorted(_DTYPES)}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"ModelConfig.attention={self.attention!r}: allowed {list(ATTENTION_IMPLS)}")
+        if self.decode_attention not in DECODE_ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.decode_attention={self.decode_attention!r}: allowed "
+                             f"{list(DECODE_ATTENTION_IMPLS)}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r} is not supported: "

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.models import decode_attention
+from arlopti_jax.models.rope import apply_rope, rope_inv_freq
 from arlopti_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -41,33 +43,6 @@ Array = jax.Array
 
 def _param(module: nn.Module, name: str, init, shape, axes, dtype):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> Array:
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    if cfg.rope_scaling is None:
-        return inv
-    s = dict(cfg.rope_scaling)  # Llama 3 frequency-dependent scaling
-    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = jnp.where(wavelen > old_len / lo, inv / factor, inv)
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """Rotate-half RoPE. x: [B, T, heads, H]; positions: [B, T]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    return (xf * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,7 +199,7 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
     rows decode up to 512 tokens: 14.2 s against 5.8 s per rollout). Both products batch over
     (row, kv head) and read the cache in its own layout, each kv head's [S, H] block contiguous,
     with the G query heads sharing it side by side. Scores and softmax are float32, as in
-    ``jax.nn.dot_product_attention``.
+    ``jax.nn.dot_product_attention``. (A GPU's decode steps run ``fused_decode`` instead.)
     """
     b, t, n, h = q.shape
     kv = k.shape[2]
@@ -269,6 +244,69 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
               for w, (_, x) in zip(weights, parts))
     cache = write(cache)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
+
+
+QKV_NAMES = ("q_kernel", "k_kernel", "v_kernel", "q_bias", "k_bias", "v_bias")  # what ``fuse_qkv`` replaces
+QKV_AXES = ("embed", "kv_heads", None, "head_dim")  # ``fuse_qkv``'s weight; its bias drops "embed"
+
+
+def fuse_qkv(cfg: ModelConfig, attn: dict) -> dict:
+    """A layer's attention weights with q, k and v as one projection grouped by kv head: ``qkv_kernel``
+    [D, K, G + 2, H] (kv head j's G query heads, then its key, then its value) and ``qkv_bias``
+    [K, G + 2, H]. The sampler's own weights on a GPU hold this (``Sampler.sampling_params``): the
+    decode step then makes one product, and the fused kernel reads each kv head's group as one block,
+    sharded over kv heads like the cache. ``Attention`` takes either layout."""
+    d, k, h = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // k
+    out = {name: w for name, w in attn.items() if name not in QKV_NAMES}
+    out["qkv_kernel"] = jnp.concatenate([attn["q_kernel"].reshape(d, k, g, h), attn["k_kernel"][:, :, None],
+                                         attn["v_kernel"][:, :, None]], axis=2)
+    if cfg.qkv_bias:
+        out["qkv_bias"] = jnp.concatenate([attn["q_bias"].reshape(k, g, h), attn["k_bias"][:, None],
+                                           attn["v_bias"][:, None]], axis=1)
+    return out
+
+
+
+
+def fused_decode(qkv: Array, bias: Array, positions: Array, inv_freq: Array, mask: Array, scale: float, cache: dict,
+                 layer: int, cache_index) -> tuple[Array, dict]:
+    """A decode step's attention (one token per row) over layer ``layer``'s own cache buffers, by
+    ``decode_attention.decode_attention``: qkv [B, 1, K, G + 2, H] (``fuse_qkv``'s layout) before
+    ``bias`` and RoPE, which the kernel adds. Returns ([B, 1, N, H], cache), as ``cached_attention``.
+    ``mask`` [B, 1, 1, S] (``attention_mask``) is each row's live run of slots ending at
+    ``cache_index``. Per device under the mesh: rows over the batch axes, kv heads over theirs
+    where they divide them (the kernel sees one device's arrays)."""
+    index = jnp.asarray(cache_index, jnp.int32)
+    start = index + 1 - jnp.sum(mask[:, 0, 0, :], axis=-1, dtype=jnp.int32)  # the run's first slot
+    kernel = functools.partial(decode_attention.decode_attention, scale=scale,
+                               interpret=shd.platform() != "gpu")  # a CPU runs it in Pallas' interpret mode
+    args = (qkv[:, 0], bias, positions[:, 0], inv_freq, cache["k"][layer], cache["v"][layer], start, index)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        out, kc, vc = kernel(*args)
+    else:
+        rows, heads = (nn.logical_to_mesh_axes((name,))[0] for name in ("cache_batch", "kv_heads"))
+        names = () if heads is None else heads if isinstance(heads, tuple) else (heads,)
+        if qkv.shape[2] % math.prod(mesh.shape[a] for a in names):
+            heads = None  # kv heads the axis does not divide: all of them on every device
+        P = jax.sharding.PartitionSpec
+        buf = P(rows, heads, None, None)
+        out, kc, vc = jax.shard_map(kernel, mesh=mesh, check_vma=False, out_specs=(P(rows, heads, None), buf, buf),
+                                    in_specs=(buf, P(heads, None, None), P(rows), P(), buf, buf, P(rows), P()))(*args)
+    cache = {name: tuple(nn.with_logical_constraint(new, CACHE_AXES[1:]) if i == layer else buf
+                         for i, buf in enumerate(cache[name])) for name, new in (("k", kc), ("v", vc))}
+    return out[:, None], cache
+
+
+def decode_kernel(cfg: ModelConfig) -> bool:
+    """Whether a decode step over a buffer per layer runs the fused kernel (``fused_decode``):
+    ``cfg.decode_attention`` "pallas", or "auto" on a GPU when the kernel takes the model's heads
+    (``decode_attention.supported``; see ``ModelConfig``)."""
+    if cfg.decode_attention == "auto":
+        return shd.platform() == "gpu" and decode_attention.supported(
+            cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) is None
+    return cfg.decode_attention == "pallas"
 
 
 def read_before_write() -> bool:
@@ -343,30 +381,43 @@ class Attention(nn.Module):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = nn.initializers.normal(0.02)
 
-        def proj(name, heads, axes):
-            w_axes = ("embed", axes, "head_dim")
-            w = _param(self, f"{name}_kernel", init, (d, heads, h), w_axes, pdt)
-            y = adapted(self, name, "btd,dnh->btnh", x, w.astype(dt), w_axes)
-            if cfg.qkv_bias:
-                b = _param(self, f"{name}_bias", nn.initializers.zeros, (heads, h), (axes, "head_dim"), pdt)
-                y = y + b.astype(dt)
-            return y
-
-        q = proj("q", n, "heads")
-        kk = proj("k", k, "kv_heads")
-        v = proj("v", k, "kv_heads")
         inv_freq = rope_inv_freq(cfg)
-        q = apply_rope(q, positions, inv_freq)
-        kk = apply_rope(kk, positions, inv_freq)
-        q = nn.with_logical_constraint(q, ("act_batch", "act_length", "act_heads", "head_dim"))
+        scale = 1.0 / math.sqrt(h)
 
-        if cache is not None:
-            out, cache = cached_attention(q, kk, v, mask, 1.0 / math.sqrt(h), cache, layer, cache_index)
+        def output(out):  # the output projection of the heads' outputs [B, T, N, H]
+            o_axes = ("heads", "head_dim", "embed")
+            wo = _param(self, "o_kernel", init, (n, h, d), o_axes, pdt)
+            return adapted(self, "o", "btnh,nhd->btd", out, wo.astype(dt), o_axes)
+
+        if self.has_variable("params", "qkv_kernel"):  # ``fuse_qkv``'s layout: the sampler's weights on a GPU
+            w = self.get_variable("params", "qkv_kernel").astype(dt)
+            qkv = jnp.einsum("btd,dkgh->btkgh", x, w)  # [B, T, K, G + 2, H]
+            bias = (self.get_variable("params", "qkv_bias").astype(dt) if cfg.qkv_bias else
+                    jnp.zeros(w.shape[1:], dt))
+            if cache is not None and isinstance(cache["k"], (list, tuple)) and x.shape[1] == 1 and decode_kernel(cfg):
+                out, cache = fused_decode(qkv, bias, positions, inv_freq, mask, scale, cache, layer, cache_index)
+                return output(out), cache
+            qkv = qkv + bias if cfg.qkv_bias else qkv
+            b, t = x.shape[:2]
+            q, kk, v = qkv[:, :, :, :-2].reshape(b, t, n, h), qkv[:, :, :, -2], qkv[:, :, :, -1]
         else:
-            out = attention(q, kk, v, mask, scale=1.0 / math.sqrt(h), impl=cfg.attention)
-        o_axes = ("heads", "head_dim", "embed")
-        wo = _param(self, "o_kernel", init, (n, h, d), o_axes, pdt)
-        return adapted(self, "o", "btnh,nhd->btd", out, wo.astype(dt), o_axes), cache
+            def proj(name, heads, axes):
+                w_axes = ("embed", axes, "head_dim")
+                w = _param(self, f"{name}_kernel", init, (d, heads, h), w_axes, pdt)
+                y = adapted(self, name, "btd,dnh->btnh", x, w.astype(dt), w_axes)
+                if cfg.qkv_bias:
+                    y = y + _param(self, f"{name}_bias", nn.initializers.zeros, (heads, h), (axes, "head_dim"),
+                                   pdt).astype(dt)
+                return y
+
+            q, kk, v = proj("q", n, "heads"), proj("k", k, "kv_heads"), proj("v", k, "kv_heads")
+        q, kk = apply_rope(q, positions, inv_freq), apply_rope(kk, positions, inv_freq)
+        q = nn.with_logical_constraint(q, ("act_batch", "act_length", "act_heads", "head_dim"))
+        if cache is not None:
+            out, cache = cached_attention(q, kk, v, mask, scale, cache, layer, cache_index)
+        else:
+            out = attention(q, kk, v, mask, scale=scale, impl=cfg.attention)
+        return output(out), cache
 
 
 class MLP(nn.Module):

@@ -144,7 +144,7 @@ class Sampler:
         self._cast = None
         per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
         if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer or self._lora:
-            from arlopti_jax.models import lora, param_shardings
+            from arlopti_jax.models import decoder, lora, param_shardings
 
             dtype, shardings = model_cfg.compute_dtype, param_shardings(model_cfg, mesh, rules)
 
@@ -152,15 +152,27 @@ class Sampler:
                 if self._lora:
                     p = lora.merge(self._lora, p)
                 p = jax.tree.map(lambda w: w.astype(dtype), p)
-                if per_layer:
-                    p = {**p, "layers": tuple(jax.tree.map(lambda w: w[i], p["layers"])
-                                              for i in range(model_cfg.num_layers))}
+                if per_layer:  # a buffer per layer, q, k and v as one projection (``decoder.fuse_qkv``)
+                    p = {**p, "layers": tuple(
+                        {**layer, "attn": decoder.fuse_qkv(model_cfg, layer["attn"])}
+                        for layer in (jax.tree.map(lambda w: w[i], p["layers"]) for i in range(model_cfg.num_layers)))}
                 return p
 
             if per_layer:
                 one = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
                     *sh.spec[1:])), shardings["layers"])
-                shardings = {**shardings, "layers": (one,) * model_cfg.num_layers}
+                heads = (model_cfg.num_kv_heads, model_cfg.num_heads // model_cfg.num_kv_heads + 2)
+                fused = shd.logical_to_shardings(
+                    {"qkv_kernel": jax.sharding.PartitionSpec(*decoder.QKV_AXES),
+                     "qkv_bias": jax.sharding.PartitionSpec(*decoder.QKV_AXES[1:])}, mesh, rules,
+                    shapes={"qkv_kernel": jax.ShapeDtypeStruct((model_cfg.hidden_size, *heads, model_cfg.head_dim),
+                                                               dtype),
+                            "qkv_bias": jax.ShapeDtypeStruct((*heads, model_cfg.head_dim), dtype)})
+                attn = {name: sh for name, sh in one["attn"].items() if name not in decoder.QKV_NAMES}
+                attn["qkv_kernel"] = fused["qkv_kernel"]
+                if model_cfg.qkv_bias:
+                    attn["qkv_bias"] = fused["qkv_bias"]
+                shardings = {**shardings, "layers": ({**one, "attn": attn},) * model_cfg.num_layers}
             self._cast = jax.jit(prepare, out_shardings=shardings)
 
     def sampling_params(self, params):

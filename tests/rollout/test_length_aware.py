@@ -245,6 +245,34 @@ def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 2, "tensor": 2}], ids=["1device", "data2xfsdp2xtensor2"])
+def test_the_gpu_decode_kernel_equals_the_loop(folder, policy, layout, monkeypatch):
+    """On a GPU each decode step's attention is one Pallas kernel per layer
+    (``models/decode_attention.py``: it writes the step's key and value into the layer's buffer and
+    attends over each row's live slots only), per device under the mesh. Forced here on the CPU
+    (Pallas' interpret mode), it draws the tokens and log-probs of the layer loop over stacked
+    arrays, through every phase and compaction, with rows and kv heads split over devices."""
+    from arlopti_jax.rollout import programs
+
+    kw = dict(temperature=0.8, top_k=20)
+    want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
+    cfg, params = load_pretrained(folder, mesh=mesh) if layout else policy[:2]
+    monkeypatch.setattr(programs, "per_layer_cache", lambda platform=None: True)
+    from arlopti_jax.models import decode_attention as da
+
+    traced, kernel = [], da.decode_attention
+    monkeypatch.setattr(da, "decode_attention", lambda *a, **k: traced.append(a[4].shape) or kernel(*a, **k))
+    sampler = Sampler(cfg.replace(decode_attention="pallas"), mesh)
+    got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    assert len(got.decode_loops) > 3  # compacted and grew
+    _assert_same(got, want)
+    # the kernel ran in every layer of every decode program, on one device's share of rows and kv heads
+    devices = (mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"])
+    assert len(traced) == cfg.num_layers * len({loop[:2] for loop in got.decode_loops}) > 0
+    assert {shape[1] for shape in traced} == {cfg.num_kv_heads // devices[1]}
+
+
 def test_the_tpu_attention_equals_the_cpu_one(policy, monkeypatch):
     """On a TPU the sampler's attention reads the stacked cache before writing the call's own
     keys (``decoder.read_before_write``: the cache's slots and the call's keys scored apart, one
