@@ -59,6 +59,8 @@ def parse_args():
     d.add_argument("--slots", default="", help="cache slots to compile (default prompt + response)")
     d.add_argument("--run", action="store_true", help="--targets local: also run and time the step (ms per step)")
     d.add_argument("--json", default="", help="also write the figures, one record per (target, rows, slots), here")
+    d.add_argument("--skip-launches", action="store_true",
+                   help="GPU: do not compile the decode loop again to count its kernels (a run's figures only)")
     d.add_argument("--decode-attention", default="auto",
                    help="ModelConfig.decode_attention values to compile, comma-separated (auto: the Pallas kernel on a "
                         "GPU; xla: XLA's ops; pallas)")
@@ -219,7 +221,7 @@ def decode(args) -> None:
                             if remat:
                                 line += f"; XLA rematerialised {remat} ops near the chip's memory"
                             line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
-                        if target.platform == "gpu" and not (args.run and counted):  # a run: the loop's launches once
+                        if target.platform == "gpu" and not (args.run and counted) and not args.skip_launches:  # a run: the loop's launches once
                             text, launches = gpu_launches(sampler, params, state, scalars, sampling, icfg)
                             line += "; " + text
                             counted = True
