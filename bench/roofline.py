@@ -221,7 +221,8 @@ def decode(args) -> None:
                             if remat:
                                 line += f"; XLA rematerialised {remat} ops near the chip's memory"
                             line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
-                        if target.platform == "gpu" and not (args.run and counted) and not args.skip_launches:  # a run: the loop's launches once
+                        # a run counts the loop's launches once
+                        if target.platform == "gpu" and not (args.run and counted) and not args.skip_launches:
                             text, launches = gpu_launches(sampler, params, state, scalars, sampling, icfg)
                             line += "; " + text
                             counted = True
