@@ -12,9 +12,11 @@ check.
 
 - check: the kernel's output against ``decode_attention.reference`` computed in float32 from the
   same bfloat16 inputs, as ||out - ref|| / ||ref|| (bfloat16 outputs: under 1e-2), the written cache
-  slot against the reference's, every other slot unchanged, no NaN; in float32 too (under 1e-4);
-- time: ``--iters`` dependent calls in one jitted loop (each call's cache is the last one's), after a
-  warm-up, median of ``--repeats``; XLA's path is ``decoder.cached_attention`` after the bias and
+  slot against the reference's, every other slot unchanged, no NaN; in float32 too (under 1e-3: on a
+  GPU Triton's float32 dot runs in TF32, about 3e-4, as XLA's default float32 dot does there);
+- time: ``--iters`` dependent calls as one straight-line program (each call's cache is the last
+  one's; XLA:GPU launches it as one command buffer, as the decode step), after a warm-up, median of
+  ``--repeats``; XLA's path is ``decoder.cached_attention`` after the bias and
   RoPE, as ``Attention`` runs it; bytes are the live slots' keys and values read once plus the
   inputs; the fraction is of the GPU's datasheet HBM bandwidth (``aot.targets.hbm_bandwidth``).
 
@@ -41,7 +43,7 @@ def parse_args(argv=None):
                     help="with --sweep: kernel settings block_k:splits:num_warps:num_stages (splits 0: the kernel's "
                          "choice; -2: twice it)")
     ap.add_argument("--sweep", action="store_true", help="time every --configs setting (default: the first only)")
-    ap.add_argument("--iters", type=int, default=50, help="calls per timed loop")
+    ap.add_argument("--iters", type=int, default=20, help="calls per timed program")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default="", help="write the records here")
     ap.add_argument("--quick", action="store_true", help="a CPU check of this script: small shapes, interpret mode")
@@ -117,14 +119,14 @@ def main(argv=None) -> int:
 
     def timed(fn, x) -> float:
         """Seconds per call: --iters dependent calls (each call's caches the last one's) in one program."""
-        def loop(x):
-            def body(_, carry):
-                kc, vc, acc = carry
+        def calls(x):
+            kc, vc, acc = x["k_cache"], x["v_cache"], jnp.float32(0)
+            for _ in range(args.iters):
                 out, kc, vc = fn({**x, "k_cache": kc, "v_cache": vc})
-                return kc, vc, acc + out[0, 0, 0].astype(jnp.float32)
-            return jax.lax.fori_loop(0, args.iters, body, (x["k_cache"], x["v_cache"], jnp.float32(0)))
+                acc = acc + out[0, 0, 0].astype(jnp.float32)
+            return kc, vc, acc
 
-        run = jax.jit(loop)
+        run = jax.jit(calls)
         jax.block_until_ready(run(x))
         times = []
         for _ in range(args.repeats):
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
                              f"{str(err).splitlines()[0][:120]} | | | | | |")
                 failed = True
                 continue
-            good = rel16 < 1e-2 and rel32 < 1e-4 and ok16 and ok32 and slot32 < 1e-5 and slot16 < 0.07
+            good = rel16 < 1e-2 and rel32 < 1e-3 and ok16 and ok32 and slot32 < 1e-3 and slot16 < 0.07
             failed |= not good
             lines.append(f"| {rows} x {slots} | Pallas | {block_k}:{splits or 'auto'}:{warps}:{stages} | "
                          f"{seconds * 1e6:.1f} | {moved / seconds / 1e9:.0f} | {frac(seconds)} | "
