@@ -95,3 +95,18 @@ def test_cudnn_attention_is_checked_against_the_platform():
             validate(c, 1, platform)
     c.model.attention = "auto"  # picks per backend by itself
     validate(c, 1, "cpu")
+
+
+def test_the_pallas_decode_kernel_is_checked_against_the_platform():
+    """model.decode_attention=pallas runs only on a GPU (validate's platform: this machine's for train
+    and eval, the target's for aot); 'auto' picks per backend by itself."""
+    c = base_config()
+    c.model.decode_attention = "pallas"
+    validate(c)  # no platform: not checked
+    validate(c, 1, "gpu")
+    for platform in ("cpu", "tpu"):
+        with pytest.raises(ConfigError, match=rf"config.model.decode_attention='pallas' is invalid: the Pallas decode "
+                                              rf"kernel runs only on a GPU, and this runs on {platform}"):
+            validate(c, 1, platform)
+    c.model.decode_attention = "auto"
+    validate(c, 1, "cpu")

@@ -76,6 +76,8 @@ def test_reference_config_table_is_the_generated_one():
     ("algo.overlong_buffer", 4096, "algo.overlong_buffer=4096 is invalid: must be in [0, rollout.max_response_length"),
     ("algo.overlong_penalty", -1.0, "algo.overlong_penalty=-1.0 is invalid"),
     ("model.attention", "flash", "model.attention='flash' is invalid: allowed values are ['auto', 'xla', 'cudnn']"),
+    ("model.decode_attention", "cudnn",
+     "model.decode_attention='cudnn' is invalid: allowed values are ['auto', 'xla', 'pallas']"),
 ])
 def test_new_fields_are_validated(field, value, message):
     c = base_config()
