@@ -7,11 +7,14 @@
 #                                 # (wall s, programs, compile s, steady step s) in $OUT/smoke.md
 #   bash bench/gpu.sh autotune    # issue 46: the cold default again with XLA:GPU's autotuning off
 #                                 # (--xla_gpu_autotune_level=0): its compile s and steady step beside smoke's
-#   bash bench/gpu.sh kernel      # issue 44 in one call (about 9 minutes): the Pallas decode kernel checked and its
+#   bash bench/gpu.sh kernel      # issue 44 (about 8 minutes): the Pallas decode kernel checked on the GPU and its
 #                                 # settings timed against XLA's attention; the 1.5B decode step with each attention
-#                                 # (roofline fraction, 4 shapes); the default cold and the realistic 1.5B step (smoke,
-#                                 # the kernel on by default); the 1.5B rollout with each attention, interleaved;
-#                                 # top_p's sort in the step; the padding the length-aware sampler removes
+#                                 # (roofline fraction, 64 rows x 1,536 and 4,608 slots) and its kernels by family
+#                                 # (jax.profiler); the realistic 1.5B RL step (the rollout's share)
+#   bash bench/gpu.sh sampling    # issue 44 (about 5 minutes): the 1.5B rollout with each attention, interleaved;
+#                                 # the step with top_p 0.9 (a sort over the vocabulary); the padding the length-aware
+#                                 # sampler removes at 1.5B (dense against length-aware, realistic lengths)
+#                                 # (2026-11-27: docs/measurements/gpu_2026-11-27c/, one call of both, cut by its limits)
 #   bash bench/gpu.sh calibrate   # issue 32: decode ms per step and train MFU at the compiled shapes, to set
 #                                 # beside the compile-only figures of docs/measurements/journal.md (same card, same shapes)
 #   bash bench/gpu.sh shared      # issue 29: the shared-prefix exactness tests on the GPU (float32, highest
@@ -96,15 +99,17 @@ case "${1:-}" in
   kernel)
     setup
     run decode_kernel 100 bench/decode_kernel.py --sweep --shapes 64x1536,256x4608 --json "$LOGS/decode_kernel.json"
-    run decode_kernel_more 40 bench/decode_kernel.py --shapes 64x4608,256x1536
-    run decode_step 110 bench/roofline.py decode --targets local --run --rows 64,256 --slots 1536,4608 \
-      --decode-attention xla,pallas --json "$LOGS/decode.json"
-    run smoke 290 bench/smoke.py --logs "$LOGS" --runs cold,realistic --limits 130,1,150
+    run decode_step 230 bench/roofline.py decode --targets local --run --rows 64 --slots 1536,4608 \
+      --decode-attention xla,pallas --skip-launches --profile 10 --json "$LOGS/decode.json"
+    run smoke 160 bench/smoke.py --logs "$LOGS" --runs realistic --limits 1,1,150
+    ;;
+  sampling)
+    setup
     run rollout_ab 100 bench/rollout.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 --skip-hf \
       --rounds 3 --dense --decode-attention xla,pallas
-    run top_p 40 bench/roofline.py decode --targets local --run --rows 64 --slots 1536 --top-p 0.9 \
-      --decode-attention pallas
-    run padding 90 bench/rollout.py --shape 1.5b --lengths lognormal --batch 64 --group 8 --prompt-len 344 \
+    run top_p 100 bench/roofline.py decode --targets local --run --rows 64 --slots 1536 --top-p 1.0,0.9 \
+      --skip-launches --profile 10
+    run padding 100 bench/rollout.py --shape 1.5b --lengths lognormal --batch 64 --group 8 --prompt-len 344 \
       --gen-len 1024 --rounds 2
     ;;
   calibrate)
@@ -188,6 +193,6 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|smoke|kernel|autotune|calibrate|shared|decode|rlstep|big|repro|harder|real}" >&2
+  *) echo "usage: bash bench/gpu.sh {setup|smoke|kernel|sampling|autotune|calibrate|shared|decode|rlstep|big|repro|harder|real}" >&2
      exit 2 ;;
 esac

@@ -59,12 +59,15 @@ def parse_args():
     d.add_argument("--slots", default="", help="cache slots to compile (default prompt + response)")
     d.add_argument("--run", action="store_true", help="--targets local: also run and time the step (ms per step)")
     d.add_argument("--json", default="", help="also write the figures, one record per (target, rows, slots), here")
+    d.add_argument("--profile", type=int, default=0,
+                   help="--run: also trace N more steps with jax.profiler and print the kernels' time by family")
     d.add_argument("--skip-launches", action="store_true",
                    help="GPU: do not compile the decode loop again to count its kernels (a run's figures only)")
     d.add_argument("--decode-attention", default="auto",
                    help="ModelConfig.decode_attention values to compile, comma-separated (auto: the Pallas kernel on a "
                         "GPU; xla: XLA's ops; pallas)")
-    d.add_argument("--top-p", type=float, default=1.0, help="the sampler's top_p (< 1: a sort over the vocabulary)")
+    d.add_argument("--top-p", default="1.0",
+                   help="the sampler's top_p, comma-separated to compile each (< 1: a sort over the vocabulary)")
     d.add_argument("--lora-rank", type=int, default=0,
                    help="the step with LoRA adapters of this rank on every projection, applied unmerged as the "
                         "sampler applies them (0: the plain model, which merged adapters give)")
@@ -154,96 +157,105 @@ def min_decode_bytes(cfg, rows: int, live_slots: int) -> float:
 
 def decode(args) -> None:
     setup()
+    import itertools
+
     import jax
 
     from arlopti_jax.runtime import sharding as shd
-    from arlopti_jax.aot import hlo, shapes, targets
+    from arlopti_jax.aot import shapes, targets
     from arlopti_jax.models import ModelConfig, abstract_params
     from arlopti_jax.rollout import Sampler, SamplingConfig
 
     cfg = ModelConfig.from_hf_dict(shapes.qwen25(args.shape), dtype="bfloat16", param_dtype="bfloat16",
                                    lora_rank=args.lora_rank)
-    sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,), top_p=args.top_p)
     print(f"jax {jax.__version__}; Qwen2.5-{args.shape.upper()} shape ({cfg.num_params() / 1e9:.2f}B), bfloat16, "
           + (f"LoRA rank {args.lora_rank} unmerged, " if args.lora_rank else "") +
-          f"prompt {args.prompt} + response {args.response}, top_p {args.top_p}; compiler figures (compile-only) "
-          "unless measured\n")
+          f"prompt {args.prompt} + response {args.response}; compiler figures (compile-only) unless measured\n")
     records = []
-    for name in args.targets.split(","):
+    split = lambda text, kind: [kind(v) for v in text.split(",") if v]
+    for name, top_p, impl in itertools.product(args.targets.split(","), split(args.top_p, float),
+                                               args.decode_attention.split(",")):
         target = targets.get(name)
         mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(target))[:1])
         rep = shd.replicated(mesh)
-        stored = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(cfg))
-        for impl in args.decode_attention.split(","):  # ModelConfig.decode_attention: the step's attention
-            icfg, params = cfg.replace(decode_attention=impl), stored
-            sampler = Sampler(icfg, mesh)
-            if sampler._cast is not None:  # the sampler's own weights (per layer on a GPU)
-                with shd.activate(mesh):
-                    lowered = sampler._cast.lower(params)
-                    params = jax.tree.map(lambda i, sh: spec(i.shape, i.dtype, sh), lowered.out_info,
-                                          lowered.compile().output_shardings)
-            scalars = step_scalars(rep)
-            counted = False
-            launches = None
-            for rows in (int(r) for r in args.rows.split(",")):
-                for slots in [int(s) for s in args.slots.split(",") if s] or [args.prompt + args.response]:
-                    state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
-                    line = f"{target.name:6s} {impl:6s} rows {rows:4d} slots {slots:5d}:"
-                    minimum = min_decode_bytes(cfg, rows, slots)
-                    start = time.perf_counter()
-                    compiled = compile_step(icfg, mesh, params, state, sampling)
-                    seconds = time.perf_counter() - start
-                    with shd.activate(mesh):
-                        cost, text = compiled.cost_analysis() or {}, compiled.as_text()
-                        # GPU: the optimized HLO's traffic, as the compile-only h100 figures count it (a real
-                        # device's cost analysis, where it gives one, is printed beside it)
-                        moved = (hlo.Module(text).bytes() if target.platform == "gpu" else
-                                 cost.get("bytes accessed") or hlo.Module(text).bytes())
-                        line += (f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB "
-                                 f"({moved / minimum:4.2f}x)")
-                        record = {"target": target.name, "shape": args.shape, "rows": rows, "slots": slots,
-                                  "decode_attention": impl, "top_p": args.top_p,
-                                  "layers": cfg.num_layers, "bytes_per_step": moved, "minimum_bytes": minimum,
-                                  "bytes_over_minimum": moved / minimum, "compile_s": seconds,
-                                  "cost_analysis_bytes": cost.get("bytes accessed"),
-                                  "cost_analysis_flops": cost.get("flops")}
-                        if target.platform == "gpu" and cost.get("bytes accessed"):
-                            line += (f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, "
-                                     f"{cost.get('flops', 0) / 1e9:.0f} GFLOP]")
-                        if "optimal_seconds" in cost:
-                            roof = minimum / target.hbm_bytes_per_s
-                            estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
-                            record.update(tpu_estimate_ms=estimate * 1e3 if estimate else None, roofline_ms=roof * 1e3)
-                            line += (f"; estimate {estimate * 1e3:6.2f} ms (raw {cost['optimal_seconds'] * 1e3:.2f}), "
-                                     f"roofline {roof * 1e3:6.2f} ms ({roof / estimate:.0%})" if estimate else
-                                     f"; estimate {cost['optimal_seconds'] * 1e3:.2f} ms: negative, unusable")
-                            remat = text.count(".remat")
-                            if remat:
-                                line += f"; XLA rematerialised {remat} ops near the chip's memory"
-                            line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
-                        # a run counts the loop's launches once
-                        if target.platform == "gpu" and not (args.run and counted) and not args.skip_launches:
-                            text, launches = gpu_launches(sampler, params, state, scalars, sampling, icfg)
-                            line += "; " + text
-                            counted = True
-                        if launches is not None:
-                            record["launches"] = launches
-                        if args.run and target.name == "local":
-                            ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20,
-                                              fill=live_state(args.prompt, cfg.vocab_size))
-                            bw = target.hbm_bytes_per_s
-                            line += (f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the "
-                                     "compiler's bytes")
-                            line += (f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: "
-                                     f"{minimum / bw * 1e3 / ms:.0%})" if bw else ")")
-                            record.update(measured_ms=ms, device=str(jax.devices()[0].device_kind),
-                                          roofline_fraction=minimum / bw * 1e3 / ms if bw else None)
-                    print(line + f"  [step compiled in {seconds:.0f} s]", flush=True)
-                    records.append(record)
+        icfg = cfg.replace(decode_attention=impl)  # ModelConfig.decode_attention: the step's attention
+        sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,), top_p=top_p)
+        params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(cfg))
+        sampler = Sampler(icfg, mesh)
+        if sampler._cast is not None:  # the sampler's own weights (per layer on a GPU)
+            with shd.activate(mesh):
+                lowered = sampler._cast.lower(params)
+                params = jax.tree.map(lambda i, sh: spec(i.shape, i.dtype, sh), lowered.out_info,
+                                      lowered.compile().output_shardings)
+        count = target.platform == "gpu" and not args.skip_launches  # a run counts the loop's launches once
+        for rows, slots in itertools.product(split(args.rows, int), split(args.slots, int) or
+                                             [args.prompt + args.response]):
+            line, record = decode_figures(args, icfg, target, mesh, sampler, params, sampling, rows, slots, count)
+            count = count and not args.run
+            print(line, flush=True)
+            records.append({**record, "decode_attention": impl, "top_p": top_p})
     if args.json:
         Path(args.json).write_text(json.dumps({"jax": jax.__version__, "figures": "compiler's (compile-only) unless "
                                                "measured_ms", "records": records}, indent=1) + "\n")
         print(f"figures written to {args.json}")
+
+
+def decode_figures(args, cfg, target, mesh, sampler, params, sampling, rows: int, slots: int,
+                   count: bool) -> tuple[str, dict]:
+    """One decode step of ``rows`` x ``slots`` compiled for ``target`` (and with ``--run`` timed
+    there): its line and its record. ``count``: also the decode loop's launches (GPU)."""
+    import jax
+
+    from arlopti_jax.aot import hlo
+    from arlopti_jax.runtime import sharding as shd
+
+    rep = shd.replicated(mesh)
+    scalars = step_scalars(rep)
+    state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
+    line = (f"{target.name:6s} {cfg.decode_attention:6s} top_p {sampling.top_p:g} rows {rows:4d} "
+            f"slots {slots:5d}:")
+    minimum = min_decode_bytes(cfg, rows, slots)
+    start = time.perf_counter()
+    compiled = compile_step(cfg, mesh, params, state, sampling)
+    seconds = time.perf_counter() - start
+    with shd.activate(mesh):
+        cost, text = compiled.cost_analysis() or {}, compiled.as_text()
+        # GPU: the optimized HLO's traffic, as the compile-only h100 figures count it (a real
+        # device's cost analysis, where it gives one, is printed beside it)
+        moved = (hlo.Module(text).bytes() if target.platform == "gpu" else
+                 cost.get("bytes accessed") or hlo.Module(text).bytes())
+        line += f" {moved / 1e9:6.2f} GB per step, minimum {minimum / 1e9:6.2f} GB ({moved / minimum:4.2f}x)"
+        record = {"target": target.name, "shape": args.shape, "rows": rows, "slots": slots,
+                  "layers": cfg.num_layers, "bytes_per_step": moved, "minimum_bytes": minimum,
+                  "bytes_over_minimum": moved / minimum, "compile_s": seconds,
+                  "cost_analysis_bytes": cost.get("bytes accessed"), "cost_analysis_flops": cost.get("flops")}
+        if target.platform == "gpu" and cost.get("bytes accessed"):
+            line += (f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, "
+                     f"{cost.get('flops', 0) / 1e9:.0f} GFLOP]")
+        if "optimal_seconds" in cost:
+            roof = minimum / target.hbm_bytes_per_s
+            estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
+            record.update(tpu_estimate_ms=estimate * 1e3 if estimate else None, roofline_ms=roof * 1e3)
+            line += (f"; estimate {estimate * 1e3:6.2f} ms (raw {cost['optimal_seconds'] * 1e3:.2f}), "
+                     f"roofline {roof * 1e3:6.2f} ms ({roof / estimate:.0%})" if estimate else
+                     f"; estimate {cost['optimal_seconds'] * 1e3:.2f} ms: negative, unusable")
+            remat = text.count(".remat")
+            if remat:
+                line += f"; XLA rematerialised {remat} ops near the chip's memory"
+            line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
+        if count:
+            text, record["launches"] = gpu_launches(sampler, params, state, scalars, sampling, cfg)
+            line += "; " + text
+        if args.run and target.name == "local":
+            ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20,
+                              fill=live_state(args.prompt, cfg.vocab_size), profile=args.profile)
+            bw = target.hbm_bytes_per_s
+            line += f"; measured {ms:.2f} ms per step ({moved / ms / 1e6:.0f} GB/s of the compiler's bytes"
+            line += (f"; minimum-bytes roofline {minimum / bw * 1e3:.2f} ms: {minimum / bw * 1e3 / ms:.0%})" if bw
+                     else ")")
+            record.update(measured_ms=ms, device=str(jax.devices()[0].device_kind),
+                          roofline_fraction=minimum / bw * 1e3 / ms if bw else None)
+    return line + f"  [step compiled in {seconds:.0f} s]", record
 
 
 def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers=(8, 16)) -> str:
@@ -285,11 +297,12 @@ def layer_slope(cfg, mesh, rows: int, args, slots: int, sampling, target, layers
             f"of the roofline)")
 
 
-def time_program(compiled, args, carry: int, steps: int = 5, fill=None) -> float:
+def time_program(compiled, args, carry: int, steps: int = 5, fill=None, profile: int = 0) -> float:
     """Milliseconds per call of a compiled program on random inputs of its abstract ``args`` (floats
     normal x 0.02, integers 0, a PRNG key: key 0; ``fill(real)`` then sets what the program reads as
     data, such as a decode state's live slots); its output replaces argument ``carry`` (donated) on the
-    next call, as in the decode and accumulate loops."""
+    next call, as in the decode and accumulate loops. ``profile`` N > 0: also print the device's
+    kernels over N more calls (``kernel_profile``)."""
     import jax
     import jax.numpy as jnp
 
@@ -313,7 +326,53 @@ def time_program(compiled, args, carry: int, steps: int = 5, fill=None) -> float
     for _ in range(steps):
         real[carry] = compiled(*real)
     jax.block_until_ready(real[carry])
-    return (time.perf_counter() - start) / steps * 1e3
+    ms = (time.perf_counter() - start) / steps * 1e3
+    if profile:
+        print(kernel_profile(compiled, real, carry, profile, ms), flush=True)
+    return ms
+
+
+def kernel_profile(compiled, real: list, carry: int, calls: int, ms: float, top: int = 14) -> str:
+    """The device's kernels over ``calls`` calls (``jax.profiler``'s trace, read from its Perfetto
+    JSON): per call, time and count by kernel family (the fusion's name without its number), the
+    largest first, and their sum against the call's wall time (the rest: gaps between kernels)."""
+    import glob
+    import gzip
+    import re
+
+    import jax
+
+    folder = tempfile.mkdtemp(prefix="profile_")
+    try:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                real[carry] = compiled(*real)
+            jax.block_until_ready(real[carry])
+        found = glob.glob(f"{folder}/**/perfetto_trace.json.gz", recursive=True)
+        if not found:
+            return "profile: no trace written"
+        trace = json.load(gzip.open(found[0]))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in names.items() if "GPU" in name or "/device:" in name}
+    if not device:  # a CPU: the host's XLA ops
+        device = set(names)
+    families: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device and not str(e.get("name", "")).startswith(("$", "Thunk")):
+            family = re.sub(r"[._]\d+$", "", str(e["name"]))
+            families.setdefault(family, []).append(float(e.get("dur", 0.0)) / 1e3)  # ms
+    if not families:
+        return "profile: no device events in the trace"
+    total = sum(sum(v) for v in families.values()) / calls
+    lines = [f"profile over {calls} calls: kernels {total:.3f} ms of the {ms:.3f} ms call "
+             f"({total / ms:.0%}); by family, per call:"]
+    for family, durs in sorted(families.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(durs) / calls:8.3f} ms  {len(durs) / calls:6.1f} kernels  {family}")
+    return "\n".join(lines)
 
 
 def live_state(prompt: int, vocab: int):
