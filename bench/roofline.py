@@ -66,6 +66,10 @@ def parse_args():
     d.add_argument("--decode-attention", default="auto",
                    help="ModelConfig.decode_attention values to compile, comma-separated (auto: the Pallas kernel on a "
                         "GPU; xla: XLA's ops; pallas)")
+    d.add_argument("--xla-options", default="",
+                   help="XLA compiler options to compile the step with, as sets separated by '/', each 'none' or "
+                        "name=value,...; every set is compiled (and timed) on its own, e.g. "
+                        "none/xla_gpu_enable_pdl=true")
     d.add_argument("--top-p", default="1.0",
                    help="the sampler's top_p, comma-separated to compile each (< 1: a sort over the vocabulary)")
     d.add_argument("--lora-rank", type=int, default=0,
@@ -133,9 +137,9 @@ def step_scalars(rep) -> tuple:
             spec((), jnp.float32, rep), spec((8,), jnp.int32, rep))
 
 
-def compile_step(cfg, mesh, params, state, sampling):
+def compile_step(cfg, mesh, params, state, sampling, options: dict | None = None):
     """One decode step (``programs.step``, layers straight-line) compiled for ``mesh``'s devices,
-    its state donated (updated in place, as in the decode loop)."""
+    its state donated (updated in place, as in the decode loop); ``options``: XLA's compiler options."""
     import jax
 
     from arlopti_jax.runtime import sharding as shd
@@ -144,7 +148,7 @@ def compile_step(cfg, mesh, params, state, sampling):
     with shd.activate(mesh):
         step = jax.jit(functools.partial(programs.step, cfg, kernel=sampling.kernel_key, unroll=True),
                        donate_argnums=(1,))
-        return step.lower(params, state, *step_scalars(shd.replicated(mesh))).compile()
+        return step.lower(params, state, *step_scalars(shd.replicated(mesh))).compile(compiler_options=options)
 
 
 def min_decode_bytes(cfg, rows: int, live_slots: int) -> float:
@@ -173,8 +177,9 @@ def decode(args) -> None:
           f"prompt {args.prompt} + response {args.response}; compiler figures (compile-only) unless measured\n")
     records = []
     split = lambda text, kind: [kind(v) for v in text.split(",") if v]
-    for name, top_p, impl in itertools.product(args.targets.split(","), split(args.top_p, float),
-                                               args.decode_attention.split(",")):
+    for name, top_p, impl, options in itertools.product(args.targets.split(","), split(args.top_p, float),
+                                                        args.decode_attention.split(","),
+                                                        [parse_options(o) for o in args.xla_options.split("/")]):
         target = targets.get(name)
         mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(target))[:1])
         rep = shd.replicated(mesh)
@@ -190,20 +195,35 @@ def decode(args) -> None:
         count = target.platform == "gpu" and not args.skip_launches  # a run counts the loop's launches once
         for rows, slots in itertools.product(split(args.rows, int), split(args.slots, int) or
                                              [args.prompt + args.response]):
-            line, record = decode_figures(args, icfg, target, mesh, sampler, params, sampling, rows, slots, count)
+            line, record = decode_figures(args, icfg, target, mesh, sampler, params, sampling, rows, slots, count,
+                                          options)
             count = count and not args.run
-            print(line, flush=True)
-            records.append({**record, "decode_attention": impl, "top_p": top_p})
+            print(line + (f"  [options {options}]" if options else ""), flush=True)
+            records.append({**record, "decode_attention": impl, "top_p": top_p, "xla_options": options or {}})
     if args.json:
         Path(args.json).write_text(json.dumps({"jax": jax.__version__, "figures": "compiler's (compile-only) unless "
                                                "measured_ms", "records": records}, indent=1) + "\n")
         print(f"figures written to {args.json}")
 
 
+def parse_options(text: str) -> dict | None:
+    """``--xla-options``' set: None for 'none' or '', else {name: bool, int or string}."""
+    if text.strip() in ("", "none"):
+        return None
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        low = value.strip().lower()
+        out[name.strip()] = (low == "true" if low in ("true", "false") else
+                             int(low) if low.lstrip("-").isdigit() else value.strip())
+    return out
+
+
 def decode_figures(args, cfg, target, mesh, sampler, params, sampling, rows: int, slots: int,
-                   count: bool) -> tuple[str, dict]:
-    """One decode step of ``rows`` x ``slots`` compiled for ``target`` (and with ``--run`` timed
-    there): its line and its record. ``count``: also the decode loop's launches (GPU)."""
+                   count: bool, options: dict | None = None) -> tuple[str, dict]:
+    """One decode step of ``rows`` x ``slots`` compiled for ``target`` with XLA's compiler ``options``
+    (and with ``--run`` timed there): its line and its record. ``count``: also the decode loop's
+    launches (GPU)."""
     import jax
 
     from arlopti_jax.aot import hlo
@@ -216,7 +236,7 @@ def decode_figures(args, cfg, target, mesh, sampler, params, sampling, rows: int
             f"slots {slots:5d}:")
     minimum = min_decode_bytes(cfg, rows, slots)
     start = time.perf_counter()
-    compiled = compile_step(cfg, mesh, params, state, sampling)
+    compiled = compile_step(cfg, mesh, params, state, sampling, options)
     seconds = time.perf_counter() - start
     with shd.activate(mesh):
         cost, text = compiled.cost_analysis() or {}, compiled.as_text()
@@ -244,7 +264,7 @@ def decode_figures(args, cfg, target, mesh, sampler, params, sampling, rows: int
                 line += f"; XLA rematerialised {remat} ops near the chip's memory"
             line += "; " + layer_slope(cfg, mesh, rows, args, slots, sampling, target)
         if count:
-            text, record["launches"] = gpu_launches(sampler, params, state, scalars, sampling, cfg)
+            text, record["launches"] = gpu_launches(sampler, params, state, scalars, sampling, cfg, options)
             line += "; " + text
         if args.run and target.name == "local":
             ms = time_program(compiled, (params, state, *scalars), carry=1, steps=20,
@@ -399,7 +419,7 @@ def live_state(prompt: int, vocab: int):
     return fill
 
 
-def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> tuple[str, dict]:
+def gpu_launches(sampler, params, state, scalars, sampling, cfg, options: dict | None = None) -> tuple[str, dict]:
     """Launches per layer and per step of the decode loop that runs, from the thunk sequence: the
     line, and the counts (``step``: outside the layer loop; ``layer``: one layer's, None when the
     layers are not a loop; ``kernels_per_layer``: all the step's kernels over the layers when they
@@ -413,7 +433,7 @@ def gpu_launches(sampler, params, state, scalars, sampling, cfg) -> tuple[str, d
     try:
         compact = spec((), jnp.int32, shd.replicated(sampler.mesh))
         sampler._decode.lower(params, state, *scalars, compact, kernel=sampling.kernel_key).compile(
-            compiler_options={"xla_dump_to": folder, "xla_dump_hlo_pass_re": "^$"})
+            compiler_options={**(options or {}), "xla_dump_to": folder, "xla_dump_hlo_pass_re": "^$"})
         text = hlo.read_dump(Path(folder), "decode")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
