@@ -39,7 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", default="64x1536,64x4608,256x1536,256x4608", help="rows x cache slots, comma-separated")
     ap.add_argument("--heads", default="12/2", help="query heads / kv heads (default: Qwen2.5-1.5B's)")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--configs", default="64:0:4:2,64:0:4:3,128:0:4:2,128:0:8:3,32:0:4:2,64:1:4:2,64:-2:4:2",
+    ap.add_argument("--configs", default="128:0:4:2,128:0:4:3,64:0:4:2,64:0:4:3,128:1:4:2,128:-2:4:2,128:-2:4:3",
                     help="with --sweep: kernel settings block_k:splits:num_warps:num_stages (splits 0: the kernel's "
                          "choice; -2: twice it)")
     ap.add_argument("--sweep", action="store_true", help="time every --configs setting (default: the first only)")
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                     k_cache=r(rows, kv, slots, h), v_cache=r(rows, kv, slots, h), start=start,
                     pos=jnp.int32(slots - 1))
 
-    def kernel(x, block_k=64, splits=0, warps=4, stages=2):
+    def kernel(x, block_k=da.BLOCK_K, splits=0, warps=4, stages=2):
         return da.decode_attention(x["qkv"], x["bias"], x["positions"], x["inv_freq"], x["k_cache"], x["v_cache"],
                                    x["start"], x["pos"], scale=scale, block_k=block_k, splits=splits,
                                    num_warps=warps, num_stages=stages, interpret=interpret)
