@@ -1,5 +1,6 @@
-"""Decode attention on a GPU: one Pallas (Triton) kernel per layer that writes the new token's key
-and value into the layer's KV cache and attends over each row's live slots only.
+"""Decode attention on a GPU: one Pallas (Triton) kernel per layer that takes the step's q, k and v
+projections, adds their biases, applies RoPE, writes the new key and value into the layer's KV cache
+and attends over each row's live slots only.
 
 The sampler's decode step on a GPU holds a KV cache buffer per layer, ``[B, K, S, H]`` (rows, kv
 heads, slots, head dim; ``rollout/programs.per_layer_cache``). A row's live slots are one run
@@ -8,8 +9,10 @@ heads, slots, head dim; ``rollout/programs.per_layer_cache``). A row's live slot
 kernels per layer (the RoPE'd key and value each written into the cache, the scores as a batched
 matrix product over every slot, the softmax, the values' product). Here one kernel does it:
 
-- grid (B, K, splits): program (b, h, s) takes the ``G = N / K`` query heads that share kv head h
-  (padded to 16 rows for the tensor cores) and the slots of split s, in blocks of ``block_k``
+- the projections arrive grouped by kv head (``decoder.fuse_qkv``): kv head h's G = N / K query
+  heads, then its key, then its value, one block of ``BLOCK_G`` rows (so G <= ``BLOCK_G`` - 2);
+- grid (B, K, splits): program (b, h, s) takes the G query heads that share kv head h (padded to
+  16 rows for the tensor cores) and the slots of split s, in blocks of ``block_k``
   slots from the first block that holds a live slot to the last one before ``pos``: slots before
   a row's prompt and after this step's token are never read;
 - an online softmax over the blocks in float32 (scores and the running maximum and sum), the
@@ -57,11 +60,12 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp(_NEG - m)
 
 
 def supported(groups: int, head_dim: int) -> str | None:
-    """Why the compiled kernel cannot take these heads (None: it can): at most ``BLOCK_G`` query heads
-    per kv head, and half a head a power of two of at least 16 (a Triton product's smallest side)."""
+    """Why the kernel cannot take these heads (None: it can): a kv head's query heads, key and value
+    in one block (at most ``BLOCK_G`` - 2 query heads per kv head), and, compiled, half a head a power
+    of two of at least 16 (a Triton product's smallest side)."""
     half = head_dim // 2
-    if not 1 <= groups <= BLOCK_G:
-        return f"{groups} query heads per kv head (the kernel takes 1 to {BLOCK_G})"
+    if not 1 <= groups <= BLOCK_G - 2:
+        return f"{groups} query heads per kv head (the kernel takes 1 to {BLOCK_G - 2})"
     if head_dim % 2 or half < 16 or half & (half - 1):
         return f"head_dim {head_dim} (the kernel takes twice a power of two, at least 32)"
     return None
@@ -169,7 +173,7 @@ def decode_attention(qkv: Array, bias: Array, positions: Array, inv_freq: Array,
     s = k_cache.shape[2]
     groups = width - 2
     why = supported(groups, h)
-    if why and not (interpret and groups <= BLOCK_G and h % 2 == 0):  # interpret mode takes any even head_dim
+    if why and not (interpret and supported(groups, 32) is None and h % 2 == 0):  # interpret: any even head_dim
         raise ValueError(f"decode_attention: {why}; use model.decode_attention=xla")
     splits = splits or splits_for(b, kv, s, block_k)
     chunk = -(-s // (splits * block_k)) * block_k  # slots per split, whole blocks
