@@ -45,7 +45,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+
+try:  # deprecated since JAX 0.11 for Mosaic GPU: a JAX without it decodes with XLA's attention ("auto")
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:
+    pltriton = None
 
 from arlopti_jax.models.rope import apply_rope
 
@@ -64,6 +68,8 @@ def supported(groups: int, head_dim: int) -> str | None:
     in one block (at most ``BLOCK_G`` - 2 query heads per kv head), and, compiled, half a head a power
     of two of at least 16 (a Triton product's smallest side)."""
     half = head_dim // 2
+    if pltriton is None:
+        return f"jax {jax.__version__} has no Pallas Triton backend"
     if not 1 <= groups <= BLOCK_G - 2:
         return f"{groups} query heads per kv head (the kernel takes 1 to {BLOCK_G - 2})"
     if head_dim % 2 or half < 16 or half & (half - 1):
