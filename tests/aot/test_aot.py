@@ -310,3 +310,29 @@ backend_config={"known_trip_count":{"n":"5"}}
 }
 """
     assert hlo.Module(loop).flops() == 5 * 2 * 8 * 16 * 16
+
+
+def test_the_decode_kernel_compiles_for_an_h100_and_updates_the_cache_in_place():
+    """The Pallas decode kernel at Qwen2.5-1.5B's heads, compiled for an H100 by XLA:GPU (Triton's
+    lowering included): one Triton call per layer step, its cache buffers aliased to its outputs (no
+    copy of the cache), and the splits combined by XLA. Its traffic (``hlo.Module.bytes``) is the
+    cache read once: the aliased outputs are not counted again."""
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax.aot import hlo
+    from arlopti_jax.models import decode_attention as da
+
+    mesh = jax.sharding.Mesh([targets.devices(targets.get("h100"))[0]], ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+    b, kv, g, s, h = 64, 2, 6, 1536, 128
+    cache = spec((b, kv, s, h))
+    compiled = jax.jit(lambda *a: da.decode_attention(*a, scale=h ** -0.5), donate_argnums=(4, 5)).lower(
+        spec((b, kv, g + 2, h)), spec((kv, g + 2, h)), spec((b,), jnp.int32), spec((h // 2,), jnp.float32), cache,
+        cache, spec((b,), jnp.int32), spec((), jnp.int32)).compile()
+    text = compiled.as_text()
+    assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1
+    assert "output_to_operand_aliasing={{3}: (" in text and " copy(" not in text
+    cache_bytes = 2 * b * kv * s * h * 2
+    assert cache_bytes < hlo.Module(text).bytes() < 1.05 * cache_bytes
