@@ -423,7 +423,7 @@ def gpu_launches(sampler, params, state, scalars, sampling, cfg, options: dict |
     """Launches per layer and per step of the decode loop that runs, from the thunk sequence: the
     line, and the counts (``step``: outside the layer loop; ``layer``: one layer's, None when the
     layers are not a loop; ``kernels_per_layer``: all the step's kernels over the layers when they
-    are not a loop)."""
+    are not a loop; ``layer_kernels``: one layer's kernels in order, by fusion name)."""
     import jax.numpy as jnp
 
     from arlopti_jax.aot import hlo
@@ -445,9 +445,13 @@ def gpu_launches(sampler, params, state, scalars, sampling, cfg, options: dict |
     counts = {"step": step, "layer": layer}
     if layer is not None:
         out += f"; per layer ({cfg.num_layers}): {fmt(layer)}"
+        counts["layer_kernels"] = hlo.kernel_names(bodies[1])
     else:
         counts["kernels_per_layer"] = (step["kernels"] + step["kernels_in_command_buffers"]) / cfg.num_layers
         out += f" (about {counts['kernels_per_layer']:.1f} per layer)"
+        counts["layer_kernels"] = hlo.layer_kernels(hlo.kernel_names(bodies[0]), cfg.num_layers)
+    if counts["layer_kernels"]:
+        out += f"; one layer's {len(counts['layer_kernels'])}: {', '.join(counts['layer_kernels'])}"
     return out, counts
 
 

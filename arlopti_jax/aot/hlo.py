@@ -12,6 +12,7 @@ its body that many times; the decode loop's trip count is unknown, and its body 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -395,6 +396,34 @@ def _flatten(thunks: list[Thunk]) -> list[Thunk]:
         for items in t.sections.values():
             out += _flatten(items)
     return out
+
+
+def kernel_names(thunks: list[Thunk]) -> list[str]:
+    """The kernels and library calls of one pass over ``thunks`` in order (command buffers entered,
+    loops not), each named by its fusion without the number XLA gives it (``fusion_926`` ->
+    ``fusion``): the names a program's layers share."""
+    out = []
+    for t in thunks:
+        if t.kind in ("kCommandBuffer", "kSequential"):
+            out += kernel_names(t.children)
+        elif t.kind != "kWhile":
+            out.append(re.sub(r"[._]\d+$", "", t.name or t.kind))
+    return out
+
+
+def layer_kernels(names: list[str], layers: int) -> list[str] | None:
+    """One layer's kernels of a step whose ``layers`` layers run straight-line: the kernels from one
+    occurrence to the next of the first name that occurs exactly once per layer, taken at the
+    second layer (the first can hold the step's own kernels). None under 3 layers or when no name
+    occurs once per layer."""
+    if layers < 3:
+        return None
+    counts = collections.Counter(names)
+    marker = next((n for n in names if counts[n] == layers), None)
+    if marker is None:
+        return None
+    at = [i for i, n in enumerate(names) if n == marker]
+    return names[at[1]:at[2]]
 
 
 def while_bodies(thunks: list[Thunk]) -> list[list[Thunk]]:

@@ -336,3 +336,23 @@ def test_the_decode_kernel_compiles_for_an_h100_and_updates_the_cache_in_place()
     assert "output_to_operand_aliasing={{3}: (" in text and " copy(" not in text
     cache_bytes = 2 * b * kv * s * h * 2
     assert cache_bytes < hlo.Module(text).bytes() < 1.05 * cache_bytes
+
+
+def test_one_layers_kernels_are_read_from_a_straight_line_step():
+    """``hlo.kernel_names`` walks a dumped thunk sequence's command buffer in order (fusion numbers
+    dropped); ``hlo.layer_kernels`` cuts one layer out of a straight-line step whose first layer
+    and tail hold kernels of the step's own, for several layer counts."""
+    from arlopti_jax.aot import hlo
+
+    layer = ["fusion_926", "gemm_fusion_dot_197", "decode_attention", "loop_convert_fusion_27",
+             "gemm_fusion_dot_198", "loop_add_fusion_27"]
+    for layers in (3, 4, 7):
+        names = ["loop_select_fusion", "loop_or_fusion_1"] + layer * layers + ["input_reduce_fusion_3", "kCopy"]
+        lines = ["001: kWhile        [source | sink]", "  body:", "    000: kCommandBuffer [source | sink] "]
+        lines += [f"        {i + 5:03d}: kCustomKernel [prev | next] {n} grid: [1, 1, 1]" for i, n in enumerate(names)]
+        names_read = hlo.kernel_names(hlo.while_bodies(hlo.parse_thunks("\n".join(lines)))[0])
+        assert len(names_read) == len(names) and names_read[1] == "loop_or_fusion"
+        assert names_read[-2:] == ["input_reduce_fusion", "kCopy"]
+        assert hlo.layer_kernels(names_read, layers) == ["fusion", "gemm_fusion_dot", "decode_attention",
+                                                         "loop_convert_fusion", "gemm_fusion_dot", "loop_add_fusion"]
+    assert hlo.layer_kernels(names_read, 2) is None and hlo.layer_kernels(names_read, 5) is None
