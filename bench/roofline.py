@@ -355,7 +355,8 @@ def time_program(compiled, args, carry: int, steps: int = 5, fill=None, profile:
 def kernel_profile(compiled, real: list, carry: int, calls: int, ms: float, top: int = 14) -> str:
     """The device's kernels over ``calls`` calls (``jax.profiler``'s trace, read from its Perfetto
     JSON): per call, time and count by kernel family (the fusion's name without its number), the
-    largest first, and their sum against the call's wall time (the rest: gaps between kernels)."""
+    largest first, and their sum against the call's wall time (the rest: gaps between kernels);
+    then the largest kernels by their own names, with their mean time per launch."""
     import glob
     import gzip
     import re
@@ -381,10 +382,12 @@ def kernel_profile(compiled, real: list, carry: int, calls: int, ms: float, top:
     if not device:  # a CPU: the host's XLA ops
         device = set(names)
     families: dict[str, list[float]] = {}
+    kernels: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in device and not str(e.get("name", "")).startswith(("$", "Thunk")):
-            family = re.sub(r"[._]\d+$", "", str(e["name"]))
-            families.setdefault(family, []).append(float(e.get("dur", 0.0)) / 1e3)  # ms
+            dur = float(e.get("dur", 0.0)) / 1e3  # ms
+            families.setdefault(re.sub(r"[._]\d+$", "", str(e["name"])), []).append(dur)
+            kernels.setdefault(str(e["name"]), []).append(dur)
     if not families:
         return "profile: no device events in the trace"
     total = sum(sum(v) for v in families.values()) / calls
@@ -392,6 +395,12 @@ def kernel_profile(compiled, real: list, carry: int, calls: int, ms: float, top:
              f"({total / ms:.0%}); by family, per call:"]
     for family, durs in sorted(families.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(durs) / calls:8.3f} ms  {len(durs) / calls:6.1f} kernels  {family}")
+    # a layer's kernels keep their fusion's name in every layer (roofline's "one layer's" line): each
+    # of a layer's products and fusions apart, with its mean time per launch
+    lines.append("by kernel, per call (the largest):")
+    for name, durs in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(durs) / calls:8.3f} ms  {len(durs) / calls:6.1f} x {sum(durs) / len(durs) * 1e3:7.1f} us"
+                     f"  {name}")
     return "\n".join(lines)
 
 
