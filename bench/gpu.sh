@@ -7,10 +7,10 @@
 #                                 # (wall s, programs, compile s, steady step s) in $OUT/smoke.md
 #   bash bench/gpu.sh autotune    # issue 46: the cold default again with XLA:GPU's autotuning off
 #                                 # (--xla_gpu_autotune_level=0): its compile s and steady step beside smoke's
-#   bash bench/gpu.sh kernel      # issue 44 (about 9 minutes): the Pallas decode kernel checked on the GPU and its
-#                                 # settings timed against XLA's attention; the 1.5B decode step with each attention
-#                                 # (roofline fraction), then under XLA options (PDL, no split-K) with its kernels by
-#                                 # family (jax.profiler); the realistic 1.5B RL step (the rollout's share)
+#   bash bench/gpu.sh kernel      # issue 44 (about 9 minutes): the 1.5B decode step under XLA options (PDL, no
+#                                 # split-K) with its kernels' time by family and by name (jax.profiler); the step
+#                                 # with each attention (roofline fraction); the realistic 1.5B RL step (the
+#                                 # rollout's share); the Pallas decode kernel's settings against XLA's attention
 #   bash bench/gpu.sh sampling    # issue 44 (about 5 minutes): the 1.5B rollout with each attention, interleaved;
 #                                 # the step with top_p 0.9 (a sort over the vocabulary); the padding the length-aware
 #                                 # sampler removes at 1.5B (dense against length-aware, realistic lengths)
@@ -112,15 +112,17 @@ case "${1:-}" in
     ;;
   kernel)
     setup
-    run decode_kernel 100 bench/decode_kernel.py --sweep --shapes 64x1536,256x4608 --json "$LOGS/decode_kernel.json"
-    # the step with each attention (64 x 4,608), then with the kernel under XLA options that cut the launches'
-    # cost or the split-K reductions (64 x 1,536; compiled for an H100 split_k=1 makes 282 kernels, not 332)
-    run decode_step 100 bench/roofline.py decode --targets local --run --rows 64 --slots 4608 \
-      --decode-attention xla,pallas --skip-launches --json "$LOGS/decode.json"
+    # first, where the step's time goes: each kernel of a layer by name (--profile; the layer's 11 kernels
+    # are listed in docs/measurements/aot_2026-11-28_decode_anatomy/), under XLA options that cut the
+    # launches' cost or the split-K reductions (compiled for an H100 split_k=1 makes 282 kernels, not 332)
     run decode_options 150 bench/roofline.py decode --targets local --run --rows 64 --slots 1536 \
       --decode-attention pallas --skip-launches --profile 10 --json "$LOGS/decode_options.json" \
       --xla-options none/xla_gpu_enable_pdl=true/xla_gpu_experimental_force_split_k=1
+    # the step with each attention (64 x 4,608)
+    run decode_step 100 bench/roofline.py decode --targets local --run --rows 64 --slots 4608 \
+      --decode-attention xla,pallas --skip-launches --json "$LOGS/decode.json"
     run smoke 160 bench/smoke.py --logs "$LOGS" --runs realistic --limits 1,1,150
+    run decode_kernel 100 bench/decode_kernel.py --sweep --shapes 64x1536,256x4608 --json "$LOGS/decode_kernel.json"
     ;;
   sampling)
     setup
