@@ -359,9 +359,10 @@ def kernel_profile(compiled, real: list, carry: int, calls: int, ms: float, top:
     then the largest kernels by their own names, with their mean time per launch."""
     import glob
     import gzip
-    import re
 
     import jax
+
+    from arlopti_jax.aot import hlo
 
     folder = tempfile.mkdtemp(prefix="profile_")
     try:
@@ -386,7 +387,7 @@ def kernel_profile(compiled, real: list, carry: int, calls: int, ms: float, top:
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in device and not str(e.get("name", "")).startswith(("$", "Thunk")):
             dur = float(e.get("dur", 0.0)) / 1e3  # ms
-            families.setdefault(re.sub(r"[._]\d+$", "", str(e["name"])), []).append(dur)
+            families.setdefault(hlo.family(str(e["name"])), []).append(dur)
             kernels.setdefault(str(e["name"]), []).append(dur)
     if not families:
         return "profile: no device events in the trace"

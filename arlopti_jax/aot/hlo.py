@@ -398,16 +398,20 @@ def _flatten(thunks: list[Thunk]) -> list[Thunk]:
     return out
 
 
+def family(name: str) -> str:
+    """A kernel's name without the number XLA gives each fusion (``fusion_926`` -> ``fusion``)."""
+    return re.sub(r"[._]\d+$", "", name)
+
+
 def kernel_names(thunks: list[Thunk]) -> list[str]:
     """The kernels and library calls of one pass over ``thunks`` in order (command buffers entered,
-    loops not), each named by its fusion without the number XLA gives it (``fusion_926`` ->
-    ``fusion``): the names a program's layers share."""
+    loops not), each by its ``family``: the names a program's layers share."""
     out = []
     for t in thunks:
         if t.kind in ("kCommandBuffer", "kSequential"):
             out += kernel_names(t.children)
         elif t.kind != "kWhile":
-            out.append(re.sub(r"[._]\d+$", "", t.name or t.kind))
+            out.append(family(t.name or t.kind))
     return out
 
 
