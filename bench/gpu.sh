@@ -7,10 +7,10 @@
 #                                 # (wall s, programs, compile s, steady step s) in $OUT/smoke.md
 #   bash bench/gpu.sh autotune    # issue 46: the cold default again with XLA:GPU's autotuning off
 #                                 # (--xla_gpu_autotune_level=0): its compile s and steady step beside smoke's
-#   bash bench/gpu.sh kernel      # issue 44 (about 9 minutes): the 1.5B decode step under XLA options (PDL, no
-#                                 # split-K) with its kernels' time by family and by name (jax.profiler); the step
-#                                 # with each attention (roofline fraction); the realistic 1.5B RL step (the
-#                                 # rollout's share); the Pallas decode kernel's settings against XLA's attention
+#   bash bench/gpu.sh kernel      # issue 44 (about 9 minutes): the 1.5B decode step with XLA's products and with
+#                                 # the fused Pallas ones (model.decode_matmul), its kernels timed by name
+#                                 # (jax.profiler), roofline fraction; each fused product's settings against XLA's;
+#                                 # XLA's step under options (PDL, no split-K); the Pallas attention's settings
 #   bash bench/gpu.sh sampling    # issue 44 (about 5 minutes): the 1.5B rollout with each attention, interleaved;
 #                                 # the step with top_p 0.9 (a sort over the vocabulary); the padding the length-aware
 #                                 # sampler removes at 1.5B (dense against length-aware, realistic lengths)
@@ -112,16 +112,19 @@ case "${1:-}" in
     ;;
   kernel)
     setup
-    # first, where the step's time goes: each kernel of a layer by name (--profile; the layer's 11 kernels
-    # are listed in docs/measurements/aot_2026-11-28_decode_anatomy/), under XLA options that cut the
-    # launches' cost or the split-K reductions (compiled for an H100 split_k=1 makes 282 kernels, not 332)
+    # first, the fused products (models/decode_matmul.py: compiled for an H100 a layer is 6 kernels, not 11, and
+    # the step 192 kernels, not 332; docs/measurements/aot_2026-11-28_decode_matmul/) against XLA's, each kernel
+    # timed by name (--profile): this decides model.decode_matmul's default on a GPU
+    run decode_products 150 bench/roofline.py decode --targets local --run --rows 64 --slots 1536,4608 \
+      --decode-attention pallas --decode-matmul xla,pallas --skip-launches --profile 10 \
+      --json "$LOGS/decode_products.json"
+    # the four products alone, each kernel setting against XLA's products with their fusions (tiles for the default)
+    run decode_matmul 120 bench/decode_matmul.py --sweep --rows 64,256 --json "$LOGS/decode_matmul.json"
+    # XLA's own products under options that cut the launches' cost or the split-K reductions (compiled for an
+    # H100 split_k=1 makes 282 kernels, not 332)
     run decode_options 150 bench/roofline.py decode --targets local --run --rows 64 --slots 1536 \
       --decode-attention pallas --skip-launches --profile 10 --json "$LOGS/decode_options.json" \
       --xla-options none/xla_gpu_enable_pdl=true/xla_gpu_experimental_force_split_k=1
-    # the step with each attention (64 x 4,608)
-    run decode_step 100 bench/roofline.py decode --targets local --run --rows 64 --slots 4608 \
-      --decode-attention xla,pallas --skip-launches --json "$LOGS/decode.json"
-    run smoke 160 bench/smoke.py --logs "$LOGS" --runs realistic --limits 1,1,150
     run decode_kernel 100 bench/decode_kernel.py --sweep --shapes 64x1536,256x4608 --json "$LOGS/decode_kernel.json"
     ;;
   sampling)

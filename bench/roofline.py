@@ -66,6 +66,9 @@ def parse_args():
     d.add_argument("--decode-attention", default="auto",
                    help="ModelConfig.decode_attention values to compile, comma-separated (auto: the Pallas kernel on a "
                         "GPU; xla: XLA's ops; pallas)")
+    d.add_argument("--decode-matmul", default="xla",
+                   help="ModelConfig.decode_matmul values to compile, comma-separated (pallas: the products fused with "
+                        "their norms and adds, models/decode_matmul.py; with the Pallas attention only)")
     d.add_argument("--xla-options", default="",
                    help="XLA compiler options to compile the step with, as sets separated by '/', each 'none' or "
                         "name=value,...; every set is compiled (and timed) on its own, e.g. "
@@ -177,13 +180,15 @@ def decode(args) -> None:
           f"prompt {args.prompt} + response {args.response}; compiler figures (compile-only) unless measured\n")
     records = []
     split = lambda text, kind: [kind(v) for v in text.split(",") if v]
-    for name, top_p, impl, options in itertools.product(args.targets.split(","), split(args.top_p, float),
-                                                        args.decode_attention.split(","),
-                                                        [parse_options(o) for o in args.xla_options.split("/")]):
+    for name, top_p, impl, matmul, options in itertools.product(
+            args.targets.split(","), split(args.top_p, float), args.decode_attention.split(","),
+            args.decode_matmul.split(","), [parse_options(o) for o in args.xla_options.split("/")]):
+        if matmul == "pallas" and impl == "xla":
+            continue  # the fused products run in the Pallas attention's steps only
         target = targets.get(name)
         mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(target))[:1])
         rep = shd.replicated(mesh)
-        icfg = cfg.replace(decode_attention=impl)  # ModelConfig.decode_attention: the step's attention
+        icfg = cfg.replace(decode_attention=impl, decode_matmul=matmul)  # the step's attention and products
         sampling = SamplingConfig(max_response_len=args.response, temperature=0.7, eos_ids=(0,), top_p=top_p)
         params = jax.tree.map(lambda a: spec(a.shape, a.dtype, rep), abstract_params(cfg))
         sampler = Sampler(icfg, mesh)
@@ -199,7 +204,8 @@ def decode(args) -> None:
                                           options)
             count = count and not args.run
             print(line + (f"  [options {options}]" if options else ""), flush=True)
-            records.append({**record, "decode_attention": impl, "top_p": top_p, "xla_options": options or {}})
+            records.append({**record, "decode_attention": impl, "decode_matmul": matmul, "top_p": top_p,
+                            "xla_options": options or {}})
     if args.json:
         Path(args.json).write_text(json.dumps({"jax": jax.__version__, "figures": "compiler's (compile-only) unless "
                                                "measured_ms", "records": records}, indent=1) + "\n")
@@ -232,7 +238,8 @@ def decode_figures(args, cfg, target, mesh, sampler, params, sampling, rows: int
     rep = shd.replicated(mesh)
     scalars = step_scalars(rep)
     state = decode_state(cfg, mesh, rows, args.prompt, args.response, slots)
-    line = (f"{target.name:6s} {cfg.decode_attention:6s} top_p {sampling.top_p:g} rows {rows:4d} "
+    line = (f"{target.name:6s} {cfg.decode_attention:6s} products {cfg.decode_matmul:6s} top_p {sampling.top_p:g} "
+            f"rows {rows:4d} "
             f"slots {slots:5d}:")
     minimum = min_decode_bytes(cfg, rows, slots)
     start = time.perf_counter()

@@ -399,8 +399,9 @@ def _flatten(thunks: list[Thunk]) -> list[Thunk]:
 
 
 def family(name: str) -> str:
-    """A kernel's name without the number XLA gives each fusion (``fusion_926`` -> ``fusion``)."""
-    return re.sub(r"[._]\d+$", "", name)
+    """A kernel's name without the numbers XLA gives each fusion or call (``fusion_926`` -> ``fusion``,
+    ``decode_matmul__3`` and ``decode_matmul_1.2`` -> ``decode_matmul``)."""
+    return re.sub(r"(?:[._]+\d+)+$", "", name)
 
 
 def kernel_names(thunks: list[Thunk]) -> list[str]:

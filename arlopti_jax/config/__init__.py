@@ -14,7 +14,7 @@ import ml_collections
 from arlopti_jax.runtime.startup import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
 
 from arlopti_jax import algos
-from arlopti_jax.models.config import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, LORA_TARGETS
+from arlopti_jax.models.config import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, DECODE_MATMUL_IMPLS, LORA_TARGETS
 from arlopti_jax.tasks.data import PROMPT_STYLES
 
 # The config file the train and eval commands use without --config: the embedded default (numerics per backend).
@@ -32,7 +32,8 @@ def choices() -> dict[str, tuple[str, ...]]:
             "loss.kl_type": tuple(algos.KL_ESTIMATORS), "loss.agg": algos.AGG_MODES, "loss.mode": algos.LOSS_MODES,
             "loss.ratio_level": algos.RATIO_LEVELS, "optim.schedule": algos.SCHEDULES,
             "model.dtype": DTYPES, "model.param_dtype": DTYPES, "model.attention": ATTENTION_IMPLS,
-            "model.decode_attention": DECODE_ATTENTION_IMPLS, "data.prompt_style": PROMPT_STYLES}
+            "model.decode_attention": DECODE_ATTENTION_IMPLS,
+            "model.decode_matmul": DECODE_MATMUL_IMPLS, "data.prompt_style": PROMPT_STYLES}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -51,6 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.unroll_layers = False  # layers as straight-line code, not a loop (faster on CPU; slower compiles)
     c.model.attention = "auto"  # training/prefill attention: auto (cuDNN's fused kernel on GPUs at 16-bit), xla, cudnn
     c.model.decode_attention = "auto"  # the sampler's decode attention: auto (the Pallas kernel on GPUs), xla, pallas
+    c.model.decode_matmul = "xla"  # the decode steps' weight products: xla, pallas (GPU; fused norms and adds)
     c.model.logprob_chunk = 256  # targets per packed row in each vocab-projection chunk
     c.model.lora_rank = 0  # LoRA adapters' rank (0 = train every weight)
     c.model.lora_alpha = 16.0  # LoRA's scale is lora_alpha / lora_rank
@@ -184,6 +186,9 @@ FIELD_DOCS = {
     "model.decode_attention": "the sampler's attention in each decode step: 'auto' (on a GPU the Pallas kernel of "
                               "models/decode_attention.py, which writes the KV cache and reads only each row's "
                               "live slots; elsewhere XLA's), 'xla', or 'pallas' (GPU only)",
+    "model.decode_matmul": "the weight products of each decode step that runs the Pallas attention: 'xla', or "
+                           "'pallas' (GPU only: models/decode_matmul.py's kernels, each with the RMS norm before it "
+                           "and the residual add or silu x up after it, 6 kernels a layer; not yet timed on a GPU)",
     "model.unroll_layers": "layers as straight-line code instead of a scanned loop in the training passes: faster "
                            "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py); "
                            "on a GPU or TPU scan against unroll is not yet measured (the embedded default unrolls its "
@@ -348,6 +353,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(platform is None or c.model.decode_attention != "pallas" or platform == "gpu", "model.decode_attention",
            c.model.decode_attention, f"the Pallas decode kernel runs only on a GPU, and this runs on {platform} "
            "(use 'auto' or 'xla')")
+    _check(platform is None or c.model.decode_matmul != "pallas" or platform == "gpu", "model.decode_matmul",
+           c.model.decode_matmul, f"the Pallas decode products run only on a GPU, and this runs on {platform} "
+           "(use 'xla')")
+    _check(c.model.decode_matmul != "pallas" or c.model.decode_attention != "xla", "model.decode_matmul",
+           c.model.decode_matmul, "the fused products run in the Pallas attention's decode steps: they need "
+           "model.decode_attention 'auto' or 'pallas'")
     _check(c.model.attention != "cudnn" or c.model.dtype == "bfloat16", "model.attention", c.model.attention,
            "cuDNN's fused attention needs model.dtype='bfloat16' ('auto' falls back to XLA by itself)")
     _check(c.model.lora_rank >= 0, "model.lora_rank", c.model.lora_rank, "must be >= 0 (0 = no LoRA)")

@@ -15,6 +15,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")  # training / prefill attention (decode reads the KV cache itself)
 DECODE_ATTENTION_IMPLS = ("auto", "xla", "pallas")  # the sampler's decode steps on a GPU
+DECODE_MATMUL_IMPLS = ("xla", "pallas")  # the decode steps' weight products on a GPU (models/decode_matmul.py)
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 
 
@@ -55,6 +56,10 @@ class ModelConfig:
     # one of DECODE_ATTENTION_IMPLS: "pallas" = models/decode_attention.py's kernel in the sampler's decode steps
     # on a GPU (interpret mode elsewhere: tests), "xla" = XLA's ops, "auto" = the kernel on a GPU
     decode_attention: str = "auto"
+    # one of DECODE_MATMUL_IMPLS: "pallas" = models/decode_matmul.py's products, with the norms, residual adds
+    # and silu x up fused in, in decode steps that run the Pallas attention; "xla" = XLA's (the default until
+    # a GPU has timed both: bench/gpu.sh kernel)
+    decode_matmul: str = "xla"
     # LoRA: each target projection W gets W + (lora_alpha / lora_rank) B A, A of rank lora_rank (0 = off)
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -69,6 +74,8 @@ class ModelConfig:
         if self.decode_attention not in DECODE_ATTENTION_IMPLS:
             raise ValueError(f"ModelConfig.decode_attention={self.decode_attention!r}: allowed "
                              f"{list(DECODE_ATTENTION_IMPLS)}")
+        if self.decode_matmul not in DECODE_MATMUL_IMPLS:
+            raise ValueError(f"ModelConfig.decode_matmul={self.decode_matmul!r}: allowed {list(DECODE_MATMUL_IMPLS)}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r} is not supported: "

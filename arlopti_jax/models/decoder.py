@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from arlopti_jax.runtime import sharding as shd
-from arlopti_jax.models import decode_attention
+from arlopti_jax.models import decode_attention, decode_matmul
 from arlopti_jax.models.rope import apply_rope, rope_inv_freq
 from arlopti_jax.models.config import ModelConfig
 
@@ -307,6 +307,66 @@ def decode_kernel(cfg: ModelConfig) -> bool:
         return shd.platform() == "gpu" and decode_attention.supported(
             cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) is None
     return cfg.decode_attention == "pallas"
+
+
+def fused_layers(cfg: ModelConfig, length: int, cache: dict | None) -> bool:
+    """Whether a call's layers run as ``fused_layer``: ``cfg.decode_matmul`` "pallas", a decode step
+    (``length`` 1) over a buffer per layer that runs the attention kernel (``decode_kernel``), and
+    no weight split over a mesh axis of more than one device (the kernels take whole weights; a
+    split product's partial sums would need an all-reduce before the residual add)."""
+    if cfg.decode_matmul != "pallas" or length != 1 or cache is None or not isinstance(cache["k"], (list, tuple)):
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    split = lambda name: any(mesh.shape[a] > 1 for a in _mesh_axes(name)) if not mesh.empty else False
+    return decode_kernel(cfg) and not any(split(name) for name in ("embed", "heads", "kv_heads", "mlp", "head_dim"))
+
+
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+    axes = nn.logical_to_mesh_axes((logical,))[0]
+    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def fused_layer(cfg: ModelConfig, p: dict, x: Array, positions: Array, mask: Array, cache: dict, layer: int,
+                cache_index) -> tuple[Array, dict]:
+    """``Block`` for one decode step (``fused_layers``) in 6 kernels: the RMS norm and the q, k, v
+    product; the attention (``fused_decode``) and its combine; the output product and the residual
+    add; the norm, the gate and up products and silu x up; the down product and the residual add
+    (``decode_matmul.fused_matmul``). ``p``: the layer's weights in ``fuse_qkv``'s layout, in the
+    compute dtype (``Sampler.sampling_params``); x [B, 1, D]. Returns (x [B, 1, D], cache)."""
+    b, d = x.shape[0], cfg.hidden_size
+    attn, mlp = p["attn"], p["mlp"]
+    dt = cfg.compute_dtype
+    matmul = functools.partial(_fused_matmul, cfg)
+    k, h = cfg.num_kv_heads, cfg.head_dim
+    x = x[:, 0]
+    qkv = matmul(x, attn["qkv_kernel"].astype(dt).reshape(d, -1), norm=p["input_norm"]["scale"].astype(dt))
+    qkv = qkv.reshape(b, 1, k, -1, h)
+    bias = attn["qkv_bias"].astype(dt) if cfg.qkv_bias else jnp.zeros(qkv.shape[2:], dt)
+    out, cache = fused_decode(qkv, bias, positions, rope_inv_freq(cfg), mask, 1.0 / math.sqrt(h), cache, layer,
+                              cache_index)
+    x = matmul(out.reshape(b, -1), attn["o_kernel"].astype(dt).reshape(-1, d), residual=x)
+    hid = matmul(x, mlp["gate_kernel"].astype(dt), norm=p["post_attn_norm"]["scale"].astype(dt),
+                 up=mlp["up_kernel"].astype(dt))
+    x = matmul(hid, mlp["down_kernel"].astype(dt), residual=x)
+    return nn.with_logical_constraint(x[:, None], ("act_batch", "act_length", "act_embed")), cache
+
+
+def _fused_matmul(cfg: ModelConfig, x: Array, w: Array, **operands) -> Array:
+    """``decode_matmul.fused_matmul`` on each device's rows (the batch axes), whole weights on each."""
+    names = sorted(operands)
+
+    def run(x, w, *rest):
+        return decode_matmul.fused_matmul(x, w, **dict(zip(names, rest)), eps=cfg.rms_norm_eps,
+                                          interpret=shd.platform() != "gpu")  # a CPU: Pallas' interpret mode
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return run(x, w, *(operands[n] for n in names))
+    P = jax.sharding.PartitionSpec
+    rows = P(nn.logical_to_mesh_axes(("act_batch",))[0], None)
+    specs = {"norm": P(None), "up": P(None, None), "residual": rows}
+    return jax.shard_map(run, mesh=mesh, in_specs=(rows, P(None, None), *(specs[n] for n in names)), out_specs=rows,
+                         check_vma=False)(x, w, *(operands[n] for n in names))
 
 
 def read_before_write() -> bool:

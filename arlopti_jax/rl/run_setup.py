@@ -93,7 +93,8 @@ def model_settings(config) -> dict:
     targets = tuple(t for t in str(m.get("lora_targets", "q")).split(",") if t)  # .get: checkpoints from before LoRA
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, unroll_layers=m.unroll_layers,
                 attention=m.get("attention", "auto"),
-                decode_attention=m.get("decode_attention", "auto"), lora_rank=int(m.get("lora_rank", 0)),
+                decode_attention=m.get("decode_attention", "auto"),
+                decode_matmul=m.get("decode_matmul", "xla"), lora_rank=int(m.get("lora_rank", 0)),
                 lora_alpha=float(m.get("lora_alpha", 16.0)), lora_targets=targets)
 
 

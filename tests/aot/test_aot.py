@@ -356,3 +356,45 @@ def test_one_layers_kernels_are_read_from_a_straight_line_step():
         assert hlo.layer_kernels(names_read, layers) == ["fusion", "gemm_fusion_dot", "decode_attention",
                                                          "loop_convert_fusion", "gemm_fusion_dot", "loop_add_fusion"]
     assert hlo.layer_kernels(names_read, 2) is None and hlo.layer_kernels(names_read, 5) is None
+
+
+@pytest.mark.parametrize("products", ["xla", "pallas"])
+def test_fused_decode_products_leave_one_xla_product_per_step_on_an_h100(products):
+    """``model.decode_matmul=pallas`` compiled for an H100 (Qwen2.5-0.5B's shape, 64 rows, a decode
+    step's forward pass): each layer's four products are Pallas calls of their own, beside its
+    attention, with the norms, residual adds and silu x up inside them; XLA keeps no product but the
+    vocabulary's. With XLA's products, each layer has 4 product fusions and 2 Triton norm fusions."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax.aot import hlo, shapes
+    from arlopti_jax.models import ModelConfig, abstract_params
+    from arlopti_jax.rollout import Sampler, programs
+    from arlopti_jax.runtime import sharding as shd
+
+    cfg = ModelConfig.from_hf_dict(shapes.qwen25("0.5b"), dtype="bfloat16", param_dtype="bfloat16",
+                                   decode_attention="pallas", decode_matmul=products)
+    mesh = shd.make_mesh({"fsdp": 1}, devices=list(targets.devices(targets.get("h100")))[:1])
+    rep = shd.replicated(mesh)
+    spec = lambda shape, dtype, sharding=rep: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    sampler = Sampler(cfg, mesh)
+    with shd.activate(mesh):
+        lowered = sampler._cast.lower(jax.tree.map(lambda a: spec(a.shape, a.dtype), abstract_params(cfg)))
+        params = jax.tree.map(lambda i, sh: spec(i.shape, i.dtype, sh), lowered.out_info,
+                              lowered.compile().output_shardings)
+        b, slots, layers = 64, 96, cfg.num_layers
+        buffers = tuple(spec((b, cfg.num_kv_heads, slots, cfg.head_dim), jnp.bfloat16) for _ in range(layers))
+        forward = jax.jit(functools.partial(programs._forward, cfg), donate_argnums=(4,))
+        text = forward.lower(params, spec((b, 1), jnp.int32), spec((b, 1), jnp.int32), spec((b, slots), jnp.int32),
+                             {"k": buffers, "v": buffers}, spec((), jnp.int32)).compile().as_text()
+    pallas_calls = text.count('custom_call_target="__gpu$xla.gpu.triton"')
+    gemms, norms = text.count('"kind":"__triton_nested_gemm_fusion"'), text.count('"kind":"__triton"')
+    if products == "pallas":
+        assert (pallas_calls, gemms) == (5 * layers, 0)  # the vocabulary's product is not in this pass
+        assert norms <= 2  # the final norm, and the sum of each row's live slots
+    else:
+        assert (pallas_calls, gemms) == (layers, 4 * layers)
+        assert norms >= 2 * layers
+    assert hlo.family("decode_matmul__12") == hlo.family("decode_matmul_1.2") == hlo.family("decode_matmul")

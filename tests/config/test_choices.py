@@ -110,3 +110,20 @@ def test_the_pallas_decode_kernel_is_checked_against_the_platform():
             validate(c, 1, platform)
     c.model.decode_attention = "auto"
     validate(c, 1, "cpu")
+
+
+def test_the_fused_decode_products_are_checked_against_the_platform_and_the_attention():
+    """model.decode_matmul=pallas runs only on a GPU, and only in the Pallas attention's decode steps."""
+    c = base_config()
+    c.model.decode_matmul = "pallas"
+    validate(c, 1, "gpu")
+    for platform in ("cpu", "tpu"):
+        with pytest.raises(ConfigError, match=rf"config.model.decode_matmul='pallas' is invalid: the Pallas decode "
+                                              rf"products run only on a GPU, and this runs on {platform}"):
+            validate(c, 1, platform)
+    c.model.decode_attention = "xla"
+    with pytest.raises(ConfigError, match=r"config.model.decode_matmul='pallas' is invalid: .* need "
+                                          r"model.decode_attention 'auto' or 'pallas'"):
+        validate(c, 1, "gpu")
+    c.model.decode_matmul = "xla"
+    validate(c, 1, "cpu")

@@ -273,6 +273,35 @@ def test_the_gpu_decode_kernel_equals_the_loop(folder, policy, layout, monkeypat
     assert {shape[1] for shape in traced} == {cfg.num_kv_heads // devices[1]}
 
 
+@pytest.mark.parametrize("layout", [{}, {"data": 8}], ids=["1device", "data8"])
+def test_the_gpu_fused_products_equal_the_loop(folder, policy, layout, monkeypatch):
+    """``model.decode_matmul=pallas``: each decode step's layer is 6 kernels, its four products
+    with the RMS norms, the residual adds and silu x up fused in (``models/decode_matmul.py``), on
+    each device's rows. Forced here on the CPU (Pallas' interpret mode), it draws the tokens and
+    log-probs of the layer loop over stacked arrays, through every phase and compaction."""
+    from arlopti_jax.models import decode_matmul as dm
+    from arlopti_jax.rollout import programs
+
+    kw = dict(temperature=0.8, top_k=20)
+    want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
+    cfg, params = load_pretrained(folder, mesh=mesh) if layout else policy[:2]
+    monkeypatch.setattr(programs, "per_layer_cache", lambda platform=None: True)
+    traced, kernel = [], dm.fused_matmul
+    monkeypatch.setattr(dm, "fused_matmul", lambda x, w, **k: traced.append((x.shape, sorted(k))) or kernel(x, w, **k))
+    sampler = Sampler(cfg.replace(decode_attention="pallas", decode_matmul="pallas"), mesh)
+    got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    assert len(got.decode_loops) > 3  # compacted and grew
+    _assert_same(got, want)
+    # four products in every layer of every decode program (not the prefill), on one device's rows
+    programs_run = len({loop[:2] for loop in got.decode_loops})
+    assert len(traced) == 4 * cfg.num_layers * programs_run > 0
+    assert [k for _, k in traced[:4]] == [["eps", "interpret", "norm"], ["eps", "interpret", "residual"],
+                                          ["eps", "interpret", "norm", "up"], ["eps", "interpret", "residual"]]
+    rows = {loop[0] for loop in got.decode_loops}
+    assert {x[0] * (8 if layout else 1) for x, _ in traced} == rows
+
+
 def test_the_tpu_attention_equals_the_cpu_one(policy, monkeypatch):
     """On a TPU the sampler's attention reads the stacked cache before writing the call's own
     keys (``decoder.read_before_write``: the cache's slots and the call's keys scored apart, one
