@@ -36,10 +36,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="64,256", help="rows per step, comma-separated")
     ap.add_argument("--products", default=",".join(PRODUCTS), help=f"of {', '.join(PRODUCTS)}")
-    ap.add_argument("--configs", default="0:16:128:4:3,0:16:256:4:3,0:32:128:4:3,16:16:128:4:3,0:16:128:4:4,"
-                                         "0:16:64:2:4,0:64:128:4:3",
-                    help="with --sweep: kernel settings block_m:block_n:block_k:num_warps:num_stages (block_m 0: the "
-                         "kernel's choice)")
+    ap.add_argument("--configs", default="0:64:128:0:4:3,0:16:128:1:4:3,0:32:128:0:4:3,0:64:64:0:4:4,0:128:128:0:4:3,"
+                                         "0:64:256:0:8:2,0:64:128:1:4:3,16:64:128:0:4:3,0:64:128:-2:4:3",
+                    help="with --sweep: kernel settings block_m:block_n:block_k:splits:num_warps:num_stages "
+                         "(block_m 0 and splits 0: the kernel's choice; splits 1: none, -2: twice the choice)")
     ap.add_argument("--sweep", action="store_true", help="time every --configs setting (default: the first only)")
     ap.add_argument("--iters", type=int, default=16, help="calls per timed program, each with its own weights")
     ap.add_argument("--repeats", type=int, default=5)
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a CPU check of this script: small widths, interpret mode")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rows, args.iters, args.repeats, args.configs = "5", 2, 1, "0:16:32:4:3,16:32:64:4:3"
+        args.rows, args.iters, args.repeats, args.configs = "5", 2, 1, "0:16:32:0:4:3,16:32:64:1:4:3"
     return args
 
 
@@ -93,13 +93,16 @@ def main(argv=None) -> int:
             times.append((time.perf_counter() - start) / args.iters)
         return statistics.median(times)
 
-    def kernel(block_m, block_n, block_k, warps, stages):
+    def kernel(rows, k, n, block_m, block_n, block_k, splits, warps, stages):
+        if splits == -2:
+            splits = 2 * dm.grid_for(rows, n, k, block_m, block_n, block_k)[2]
         return lambda x, w, **kw: dm.fused_matmul(x, w, **kw, block_m=block_m, block_n=block_n, block_k=block_k,
-                                                  num_warps=warps, num_stages=stages, interpret=interpret)
+                                                  splits=splits, num_warps=warps, num_stages=stages,
+                                                  interpret=interpret)
 
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     records, failed = [], False
-    lines = ["| product | rows | path | block_m:n:k:warps:stages | us | GB/s | of HBM | vs XLA | rel. error |",
+    lines = ["| product | rows | path | block_m:n:k:splits:warps:stages | us | GB/s | of HBM | vs XLA | rel. error |",
              "|---" * 9 + "|"]
     for product in args.products.split(","):
         for rows in (int(v) for v in args.rows.split(",")):
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
                          f"{frac(base)} | 1.00x | - |")
             records.append(dict(product=product, rows=rows, impl="xla", seconds=base, bytes=moved))
             for setting in configs if args.sweep or args.quick else configs[:1]:
-                fn = kernel(*setting)
+                fn = kernel(rows, *x["w"][0].shape, *setting)
                 label = ":".join(map(str, setting))
                 try:
                     check = inputs(product, rows, jnp.bfloat16, 7)

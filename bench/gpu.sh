@@ -113,7 +113,7 @@ case "${1:-}" in
   kernel)
     setup
     # first, the fused products (models/decode_matmul.py: compiled for an H100 a layer is 6 kernels, not 11, and
-    # the step 192 kernels, not 332; docs/measurements/aot_2026-11-28_decode_matmul/) against XLA's, each kernel
+    # the step 193 kernels, not 332; docs/measurements/aot_2026-11-28_decode_matmul/) against XLA's, each kernel
     # timed by name (--profile): this decides model.decode_matmul's default on a GPU
     run decode_products 150 bench/roofline.py decode --targets local --run --rows 64 --slots 1536,4608 \
       --decode-attention pallas --decode-matmul xla,pallas --skip-launches --profile 10 \

@@ -327,46 +327,60 @@ def _mesh_axes(logical: str) -> tuple[str, ...]:
 
 
 def fused_layer(cfg: ModelConfig, p: dict, x: Array, positions: Array, mask: Array, cache: dict, layer: int,
-                cache_index) -> tuple[Array, dict]:
+                cache_index, counters: Array) -> tuple[Array, dict, Array]:
     """``Block`` for one decode step (``fused_layers``) in 6 kernels: the RMS norm and the q, k, v
     product; the attention (``fused_decode``) and its combine; the output product and the residual
     add; the norm, the gate and up products and silu x up; the down product and the residual add
     (``decode_matmul.fused_matmul``). ``p``: the layer's weights in ``fuse_qkv``'s layout, in the
-    compute dtype (``Sampler.sampling_params``); x [B, 1, D]. Returns (x [B, 1, D], cache)."""
+    compute dtype (``Sampler.sampling_params``); x [B, 1, D]; ``counters``: the products' buffer
+    (``fused_counters``), threaded from call to call. Returns (x [B, 1, D], cache, counters)."""
     b, d = x.shape[0], cfg.hidden_size
     attn, mlp = p["attn"], p["mlp"]
     dt = cfg.compute_dtype
-    matmul = functools.partial(_fused_matmul, cfg)
     k, h = cfg.num_kv_heads, cfg.head_dim
     x = x[:, 0]
-    qkv = matmul(x, attn["qkv_kernel"].astype(dt).reshape(d, -1), norm=p["input_norm"]["scale"].astype(dt))
+    matmul = functools.partial(_fused_matmul, cfg)
+    qkv, counters = matmul(x, attn["qkv_kernel"].astype(dt).reshape(d, -1), counters,
+                           norm=p["input_norm"]["scale"].astype(dt))
     qkv = qkv.reshape(b, 1, k, -1, h)
     bias = attn["qkv_bias"].astype(dt) if cfg.qkv_bias else jnp.zeros(qkv.shape[2:], dt)
     out, cache = fused_decode(qkv, bias, positions, rope_inv_freq(cfg), mask, 1.0 / math.sqrt(h), cache, layer,
                               cache_index)
-    x = matmul(out.reshape(b, -1), attn["o_kernel"].astype(dt).reshape(-1, d), residual=x)
-    hid = matmul(x, mlp["gate_kernel"].astype(dt), norm=p["post_attn_norm"]["scale"].astype(dt),
-                 up=mlp["up_kernel"].astype(dt))
-    x = matmul(hid, mlp["down_kernel"].astype(dt), residual=x)
-    return nn.with_logical_constraint(x[:, None], ("act_batch", "act_length", "act_embed")), cache
+    x, counters = matmul(out.reshape(b, -1), attn["o_kernel"].astype(dt).reshape(-1, d), counters, residual=x)
+    hid, counters = matmul(x, mlp["gate_kernel"].astype(dt), counters, norm=p["post_attn_norm"]["scale"].astype(dt),
+                           up=mlp["up_kernel"].astype(dt))
+    x, counters = matmul(hid, mlp["down_kernel"].astype(dt), counters, residual=x)
+    return nn.with_logical_constraint(x[:, None], ("act_batch", "act_length", "act_embed")), cache, counters
 
 
-def _fused_matmul(cfg: ModelConfig, x: Array, w: Array, **operands) -> Array:
-    """``decode_matmul.fused_matmul`` on each device's rows (the batch axes), whole weights on each."""
+def fused_counters(cfg: ModelConfig, rows: int) -> Array:
+    """The zeroed counters ``fused_layer``'s products share (``decode_matmul.fused_matmul``): one
+    buffer per device, enough for ``rows`` rows of any of the layer's products."""
+    q = cfg.num_kv_heads * (cfg.num_heads // cfg.num_kv_heads + 2) * cfg.head_dim
+    n = decode_matmul.counters_for(rows, (q, cfg.hidden_size, cfg.intermediate_size))
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else math.prod(mesh.shape[a] for a in _mesh_axes("act_batch"))
+    return nn.with_logical_constraint(jnp.zeros((devices * n,), jnp.int32), ("act_batch",))
+
+
+def _fused_matmul(cfg: ModelConfig, x: Array, w: Array, counters: Array, **operands) -> tuple[Array, Array]:
+    """``decode_matmul.fused_matmul`` on each device's rows (the batch axes), whole weights on each,
+    and the device's own counters."""
     names = sorted(operands)
 
-    def run(x, w, *rest):
-        return decode_matmul.fused_matmul(x, w, **dict(zip(names, rest)), eps=cfg.rms_norm_eps,
+    def run(x, w, counters, *rest):
+        return decode_matmul.fused_matmul(x, w, **dict(zip(names, rest)), counters=counters, eps=cfg.rms_norm_eps,
                                           interpret=shd.platform() != "gpu")  # a CPU: Pallas' interpret mode
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return run(x, w, *(operands[n] for n in names))
+        return run(x, w, counters, *(operands[n] for n in names))
     P = jax.sharding.PartitionSpec
-    rows = P(nn.logical_to_mesh_axes(("act_batch",))[0], None)
+    batch = nn.logical_to_mesh_axes(("act_batch",))[0]
+    rows = P(batch, None)
     specs = {"norm": P(None), "up": P(None, None), "residual": rows}
-    return jax.shard_map(run, mesh=mesh, in_specs=(rows, P(None, None), *(specs[n] for n in names)), out_specs=rows,
-                         check_vma=False)(x, w, *(operands[n] for n in names))
+    return jax.shard_map(run, mesh=mesh, in_specs=(rows, P(None, None), P(batch), *(specs[n] for n in names)),
+                         out_specs=(rows, P(batch)), check_vma=False)(x, w, counters, *(operands[n] for n in names))
 
 
 def read_before_write() -> bool:

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
-from arlopti_jax.models.decoder import (CACHE_AXES, Block, Decoder, RMSNorm, attention_mask, fused_layer,
-                                        fused_layers, position_ids)
+from arlopti_jax.models.decoder import (CACHE_AXES, Block, Decoder, RMSNorm, attention_mask, fused_counters,
+                                        fused_layer, fused_layers, position_ids)
 from arlopti_jax.models.policy import unembed_matrix
 from arlopti_jax.rollout.sampling import sample_tokens
 
@@ -118,11 +118,12 @@ def _forward(cfg: ModelConfig, params, tokens: Array, positions: Array, kv_mask:
         return hidden, _constrain_cache(cache)
     x = jnp.take(params["embedding"], tokens, axis=0).astype(cfg.compute_dtype)
     mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
+    counters = fused_counters(cfg, tokens.shape[0]) if fused_layers(cfg, tokens.shape[1], cache) else None
     for i in range(cfg.num_layers):
         layers = params["layers"]  # a buffer per layer (``Sampler.sampling_params``), or stacked
         layer = layers[i] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[i], layers)
-        if fused_layers(cfg, tokens.shape[1], cache):  # a decode step's layer in 6 kernels (GPU)
-            x, cache = fused_layer(cfg, layer, x, positions, mask, cache, i, cache_index)
+        if counters is not None:  # a decode step's layer in 6 kernels (GPU; ``decoder.fused_layer``)
+            x, cache, counters = fused_layer(cfg, layer, x, positions, mask, cache, i, cache_index, counters)
         else:
             (x, cache), _ = Block(cfg).apply({"params": layer}, (x, cache), i, positions, mask, cache_index)
     norm = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype)

@@ -296,8 +296,8 @@ def test_the_gpu_fused_products_equal_the_loop(folder, policy, layout, monkeypat
     # four products in every layer of every decode program (not the prefill), on one device's rows
     programs_run = len({loop[:2] for loop in got.decode_loops})
     assert len(traced) == 4 * cfg.num_layers * programs_run > 0
-    assert [k for _, k in traced[:4]] == [["eps", "interpret", "norm"], ["eps", "interpret", "residual"],
-                                          ["eps", "interpret", "norm", "up"], ["eps", "interpret", "residual"]]
+    fused = [[name for name in k if name not in ("counters", "eps", "interpret")] for _, k in traced[:4]]
+    assert fused == [["norm"], ["residual"], ["norm", "up"], ["residual"]]
     rows = {loop[0] for loop in got.decode_loops}
     assert {x[0] * (8 if layout else 1) for x, _ in traced} == rows
 
