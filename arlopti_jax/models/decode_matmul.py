@@ -127,9 +127,9 @@ def _kernel(*refs, norm: bool, up: bool, residual: bool, eps: float, block_m: in
     # this program's partial sums into the workspace (padded to whole blocks: no masks), then the counter
     which = lambda p: jnp.asarray(p, jnp.int32)  # a product's index (a Python int does not index here)
     for p, acc in enumerate(accs):
-        part_ref[s, which(p), row_at, col_at] = acc
+        pltriton.store(part_ref.at[s, which(p), row_at, col_at], acc)
     if norm:
-        squares_ref[s, j, row_at] = squares
+        pltriton.store(squares_ref.at[s, j, row_at], squares)
     if not interpret:
         pltriton.debug_barrier()  # every thread's stores before the counter's release
     tile = i * pl.num_programs(1) + j
