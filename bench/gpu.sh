@@ -10,7 +10,9 @@
 #   bash bench/gpu.sh kernel      # issue 44 (about 9 minutes): the 1.5B decode step with XLA's products and with
 #                                 # the fused Pallas ones (model.decode_matmul), its kernels timed by name
 #                                 # (jax.profiler), roofline fraction; each fused product's settings against XLA's;
-#                                 # XLA's step under options (PDL, no split-K); the Pallas attention's settings
+#                                 # the realistic 1.5B RL step both ways, interleaved (the rollout's share)
+#   bash bench/gpu.sh attention   # issue 44 (about 6 minutes): XLA's decode step under options (PDL, no split-K),
+#                                 # the step with each attention, the Pallas attention's settings against XLA's
 #   bash bench/gpu.sh sampling    # issue 44 (about 5 minutes): the 1.5B rollout with each attention, interleaved;
 #                                 # the step with top_p 0.9 (a sort over the vocabulary); the padding the length-aware
 #                                 # sampler removes at 1.5B (dense against length-aware, realistic lengths)
@@ -118,13 +120,24 @@ case "${1:-}" in
     run decode_products 150 bench/roofline.py decode --targets local --run --rows 64 --slots 1536,4608 \
       --decode-attention pallas --decode-matmul xla,pallas --skip-launches --profile 10 \
       --json "$LOGS/decode_products.json"
-    # the four products alone, each kernel setting against XLA's products with their fusions (tiles for the default)
+    # the four products alone, each kernel setting against XLA's products with their fusions (tiles for the default;
+    # each setting's output is checked against the reference: the split-K count runs concurrently only here)
     run decode_matmul 120 bench/decode_matmul.py --sweep --rows 64,256 --json "$LOGS/decode_matmul.json"
+    # the realistic 1.5B RL step (issue 44's command) with XLA's products and with the fused ones, interleaved:
+    # the rollout's share of the step (target: at most 40%)
+    run realistic_products 280 bench/realistic.py --compare-products --skip-tiny --rounds 1 --steps 1 --shape 1.5b \
+      --dtype bfloat16 --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 --micro 8
+    ;;
+  attention)
+    setup
     # XLA's own products under options that cut the launches' cost or the split-K reductions (compiled for an
-    # H100 split_k=1 makes 282 kernels, not 332)
+    # H100 split_k=1 makes 282 kernels, not 332), each kernel timed by name
     run decode_options 150 bench/roofline.py decode --targets local --run --rows 64 --slots 1536 \
       --decode-attention pallas --skip-launches --profile 10 --json "$LOGS/decode_options.json" \
       --xla-options none/xla_gpu_enable_pdl=true/xla_gpu_experimental_force_split_k=1
+    # the step with each attention (64 x 4,608), then the Pallas attention's settings against XLA's attention
+    run decode_step 100 bench/roofline.py decode --targets local --run --rows 64 --slots 4608 \
+      --decode-attention xla,pallas --skip-launches --json "$LOGS/decode.json"
     run decode_kernel 100 bench/decode_kernel.py --sweep --shapes 64x1536,256x4608 --json "$LOGS/decode_kernel.json"
     ;;
   sampling)

@@ -95,6 +95,9 @@ def parse_args(argv=None):
     what.add_argument("--before", default="7530733", help="git commit to time against ('none': this checkout only)")
     what.add_argument("--compare-shared", action="store_true",
                       help="this checkout with train.shared_prefix off against on (instead of --before)")
+    what.add_argument("--compare-products", action="store_true",
+                      help="this checkout's step with XLA's decode products against the fused Pallas ones "
+                           "(model.decode_matmul xla against pallas; GPU), interleaved (instead of --before)")
     what.add_argument("--hf", action="store_true", help="also the step in transformers (PyTorch; --lengths fixed)")
     what.add_argument("--skip-tiny", action="store_true",
                       help="skip the tiny-shape comparison with transformers that follows (bench/tiny_vs_hf.py)")
@@ -124,6 +127,8 @@ def parse_args(argv=None):
     work.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                       help="parameter dtype (the trainer's default: float32 master weights)")
     work.add_argument("--remat", action="store_true", help="rematerialise each layer (model.remat)")
+    work.add_argument("--decode-matmul", choices=("xla", "pallas"), default="xla",
+                      help="model.decode_matmul: the sampler's decode products (pallas: fused, GPU only)")
     work.add_argument("--mesh", default="fsdp=-1", help="mesh axes, e.g. fsdp=4,tensor=2")
     work.add_argument("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: common.device_peak)")
     work.add_argument("--seed", type=int, default=0)
@@ -198,6 +203,8 @@ def run_worker(args) -> dict:
     packed = "tokens_per_device" in inspect.signature(algos.make_train_step).parameters
     short = args.shape in ("bench", "tiny") and args.layers is None
     overrides = {"unroll_layers": True} if packed and short else {}  # short stacks only
+    if args.decode_matmul != "xla":
+        overrides["decode_matmul"] = args.decode_matmul
     cfg = common.model_config(model_dims(args), dtype=args.dtype, param_dtype=args.param_dtype,
                               remat=args.remat).replace(eos_token_id=EOS, **overrides)
     params = init_params(cfg, jax.random.key(args.seed), mesh)
@@ -427,10 +434,12 @@ def compare(args, argv: list[str]) -> None:
           f"{args.mini_batch}, dense micro-batch {args.micro} rows; Qwen2 {args.shape} "
           f"({common.describe(model_dims(args))}), compute {args.dtype}, params {args.param_dtype}, remat "
           f"{args.remat}, mesh {args.mesh}")
-    passed = [a for a in argv if a not in ("--skip-tiny", "--compare-shared", "--hf")]
+    passed = [a for a in argv if a not in ("--skip-tiny", "--compare-shared", "--compare-products", "--hf")]
     sides = {"after": (ROOT, None, [])}
     if args.compare_shared:
         sides = {side: (ROOT, None, ["--shared-prefix", on]) for side, on in (("unshared", "off"), ("shared", "on"))}
+    elif args.compare_products:
+        sides = {side: (ROOT, None, ["--decode-matmul", impl]) for side, impl in (("xla", "xla"), ("fused", "pallas"))}
     elif args.before != "none":
         tmp = tempfile.mkdtemp(prefix="before_")
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before, "arlopti_jax"],
@@ -491,6 +500,12 @@ def compare(args, argv: list[str]) -> None:
         print(f"\nwhole RL step: transformers {step['transformers']:.2f}s, ours {step['after']:.2f}s: "
               f"ours {step['transformers'] / step['after']:.2f}x faster; update "
               f"{summary['transformers']['update'] / summary['after']['update']:.2f}x")
+    if args.compare_products:
+        print("\nfused decode products, faster by: " + ", ".join(
+            f"{p} {summary['xla'][p] / summary['fused'][p]:.2f}x" for p in ("rollout",)) +
+            f", step {step['xla'] / step['fused']:.2f}x; rollout share of the step: xla "
+            f"{summary['xla']['rollout'] / step['xla']:.0%}, fused {summary['fused']['rollout'] / step['fused']:.0%}"
+            + ("" if "gpu" in last["backend"].lower() else " (no GPU: both sides ran XLA's products)"))
     if args.compare_shared:
         ratio = lambda p: (step["unshared"] / step["shared"] if p == "step"
                            else summary["unshared"][p] / summary["shared"][p])
