@@ -30,7 +30,9 @@ loops multiplied), the compiler's time estimate (TPU; only for
 programs without loops, where it is meaningful; ``hlo.tpu_estimate`` removes libtpu's -1 s per
 ``ConcatBitcast`` call), and the collectives in the optimized HLO.
 The step's per-device peak adds what stays resident across programs (parameters, optimizer
-state, the reference policy) to each program's own arguments, outputs and temporaries.
+state, the reference policy; in a rollout's programs also the sampler's copy of the weights,
+which a ``generate`` holds from its first program to its last) to each program's own arguments,
+outputs and temporaries.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from arlopti_jax.rl import run_setup
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.aot import hlo, targets
 from arlopti_jax.aot.targets import GIB, Target
+from arlopti_jax.rollout.sampler import SAMPLING_WEIGHTS
 from arlopti_jax.rollout.sampling import bucket
 
 HEADROOM = 0.95  # of the chip's memory a program may use (XLA reserves some; fragmentation)
@@ -135,6 +138,7 @@ class Compiler:
         self.programs: list[Program] = []
         self.group = ""
         self.resident_leaves: set[int] = set()
+        self.held: tuple[str, set[int], int] = ("", set(), 0)  # (group, leaves, bytes): the sampler's weights
 
     def __call__(self, name: str, jitted, *args, **kwargs):
         options = {}
@@ -157,6 +161,11 @@ class Compiler:
         memory = {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
                   "temp": int(m.temp_size_in_bytes), "alias": int(m.alias_size_in_bytes)}
         resident = sum(shard_bytes(leaf) for leaf in jax.tree.leaves(args) if id(leaf) in self.resident_leaves)
+        # the sampler's copy of the weights stays alive through its group's programs (``generate``), an
+        # argument of some (prefill, decode) and not of the others (start, compact, grow, scatter)
+        group, held, held_bytes = self.held
+        held_extra = 0 if group != self.group else held_bytes - sum(
+            shard_bytes(leaf) for leaf in jax.tree.leaves(args) if id(leaf) in held)
         text = compiled.as_text()
         module = hlo.Module(text)
         cost = compiled.cost_analysis() or {}
@@ -170,15 +179,18 @@ class Compiler:
             estimate_s=hlo.tpu_estimate(estimate, text) if loop_free else None,
             hlo_bytes=module.bytes(), hlo_flops=module.flops(), loop_free=loop_free,
             collectives={k: v for k, v in module.collectives().items() if v["count"]})
-        program.peak = (self.resident - resident + memory["argument"] + memory["output"] - memory["alias"]
+        program.peak = (self.resident - resident + held_extra + memory["argument"] + memory["output"] - memory["alias"]
                         + memory["temp"])
         if self.dump is not None:
             program.gpu = gpu_launches(folder, jitted)
         self.programs.append(program)
+        outs = jax.tree.map(lambda info, sh: abstract(info.shape, info.dtype, sh), lowered.out_info,
+                            compiled.output_shardings)
+        if name == SAMPLING_WEIGHTS:
+            self.held = (self.group, {id(x) for x in jax.tree.leaves(outs)}, shard_bytes(outs))
         if self.verbose:
             print(f"  {self.group:8s} {name:32s} {seconds:6.1f} s  peak {program.peak / GIB:6.2f} GiB", flush=True)
-        return jax.tree.map(lambda info, sh: abstract(info.shape, info.dtype, sh), lowered.out_info,
-                            compiled.output_shardings)
+        return outs
 
 
 def gpu_launches(folder: Path, jitted) -> dict | None:
@@ -254,7 +266,8 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     mesh, (model_cfg, eos, pad, source) = prepare(config, target)
     width = data_prompt_width(config)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=eos, pad_id=pad,
-                             total_steps=max(1, config.train.max_steps), prompt_width=width)
+                             total_steps=max(1, config.train.max_steps), prompt_width=width,
+                             device_memory=None if target.name == "local" else target.hbm_bytes)
     longest = width or config.data.max_prompt_length
     params, opt_state = run.state["params"], run.state["opt_state"]
     copies = 2 if run.use_reference and not run.model_cfg.lora_rank else 1  # a LoRA reference is the base itself

@@ -15,6 +15,7 @@ from arlopti_jax.runtime.startup import ConfigError  # noqa: F401  (re-exported:
 
 from arlopti_jax import algos
 from arlopti_jax.models.config import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS, DECODE_MATMUL_IMPLS, LORA_TARGETS
+from arlopti_jax.rollout.sampler import WHOLE_WEIGHTS
 from arlopti_jax.tasks.data import PROMPT_STYLES
 
 # The config file the train and eval commands use without --config: the embedded default (numerics per backend).
@@ -33,7 +34,8 @@ def choices() -> dict[str, tuple[str, ...]]:
             "loss.ratio_level": algos.RATIO_LEVELS, "optim.schedule": algos.SCHEDULES,
             "model.dtype": DTYPES, "model.param_dtype": DTYPES, "model.attention": ATTENTION_IMPLS,
             "model.decode_attention": DECODE_ATTENTION_IMPLS,
-            "model.decode_matmul": DECODE_MATMUL_IMPLS, "data.prompt_style": PROMPT_STYLES}
+            "model.decode_matmul": DECODE_MATMUL_IMPLS, "rollout.whole_weights": WHOLE_WEIGHTS,
+            "data.prompt_style": PROMPT_STYLES}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -76,6 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.length_aware = True  # decode cost follows the real response lengths (same tokens as the dense path)
     c.rollout.phase_tokens = 0  # response slots of the first decode phase; 0 = max_response_length / 4 (power of 2)
     c.rollout.min_rows = 16  # rows per device below which finished rows are no longer compacted away
+    c.rollout.whole_weights = "auto"  # the sampler's weights whole along the batch axes: auto, on, off
 
     c.algo = ml_collections.ConfigDict()
     c.algo.adv_estimator = "grpo"
@@ -221,6 +224,10 @@ FIELD_DOCS = {
                             "phases; each phase is one more compiled decode loop per row count)",
     "rollout.min_rows": "rows per device below which the decode batch is not compacted further (each row count "
                         "is one more compiled program)",
+    "rollout.whole_weights": "the sampler's copy of the weights whole along the mesh's data and fsdp axes (split "
+                             "over tensor still), so no decode step gathers them: 'auto' (on a GPU or TPU, where "
+                             "fsdp or data splits the weights and the copy takes at most an eighth of a device's "
+                             "memory), 'on', 'off'",
     "algo.adv_estimator": "`grpo`, `reinforce_plus_plus`, `rloo`, `dr_grpo`",
     "algo.weighting": "token weights: `none`, `ar` (Advantage Reweighting), `tr` (TR-GRPO)",
     "algo.ar_alpha": "AR alpha (paper: 0.2 alone, 0.3 with Lopti)",

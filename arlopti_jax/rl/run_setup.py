@@ -333,19 +333,22 @@ class Run:
 
 
 def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], pad_id: int,
-             total_steps: int, prompt_width: int = 0) -> Run:
+             total_steps: int, prompt_width: int = 0, device_memory: int | None = None) -> Run:
     """The run's objects and programs for ``config`` on ``mesh`` (nothing is compiled or allocated
     here: the programs compile on first use, or ahead of time through ``aot``). ``prompt_width``:
     the longest prompt of the run's data (``longest_prompt``; ``aot`` without the data:
-    ``data.max_prompt_length``; 0: each batch pads to its own)."""
+    ``data.max_prompt_length``; 0: each batch pads to its own). ``device_memory``: one device's
+    bytes, for the sampler's ``whole_weights`` (``aot``: its target's; default: the device's own)."""
     adv, weights, lopti, loss = algo_configs(config)
     optimizer = make_optimizer(config, total_steps)
     shapes = pack_shapes(config, mesh)
     tokens = shapes.tokens_per_device
     chunk = config.model.logprob_chunk
+    sampler = Sampler(model_cfg, mesh, whole_weights=config.rollout.get("whole_weights", "auto"),
+                      device_memory=device_memory)
     return Run(config=config, mesh=mesh, model_cfg=model_cfg, eos_ids=tuple(eos_ids), pad_id=int(pad_id),
                total_steps=total_steps, optimizer=optimizer, adv_cfg=adv, weight_cfg=weights, lopti_cfg=lopti,
-               loss_cfg=loss, tokens_per_device=tokens, sampler=Sampler(model_cfg, mesh),
+               loss_cfg=loss, tokens_per_device=tokens, sampler=sampler,
                train_step=algos.make_train_step(model_cfg, loss, optimizer, mesh, tokens_per_device=tokens,
                                                 chunk_size=chunk, shared_prefix=config.train.shared_prefix,
                                                 shapes=shapes),

@@ -75,6 +75,30 @@ from arlopti_jax.rollout.sampling import SamplingConfig, bucket
 
 Array = jax.Array
 
+SAMPLING_WEIGHTS = "sampling weights"  # ``programs``' name of the weights' copy (``aot`` holds it through a rollout)
+WHOLE_WEIGHTS = ("auto", "on", "off")  # ``Sampler``'s whole_weights, ``rollout.whole_weights``
+
+
+def _whole_weights(cfg: ModelConfig, mesh, rules, setting: str, device_memory: int | None) -> bool:
+    """``Sampler``'s choice for ``whole_weights`` (see there)."""
+    if setting not in WHOLE_WEIGHTS:
+        raise ValueError(f"whole_weights={setting!r}: allowed {list(WHOLE_WEIGHTS)}")
+    if setting != "auto":
+        return setting == "on"
+    split = {a for name, axes in rules if name in shd.PARAM_AXES
+             for a in (axes if isinstance(axes, tuple) else (axes,)) if a in shd.BATCH_AXES}
+    if not any(mesh.shape.get(a, 1) > 1 for a in split) or mesh.devices.flat[0].platform not in ("gpu", "tpu"):
+        return False
+    if device_memory is None:
+        try:
+            device_memory = (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+        except Exception:  # a compile-only device (aot passes its target's memory)
+            device_memory = None
+    tensor = mesh.shape.get("tensor", 1)
+    size = cfg.num_params() * jnp.dtype(cfg.compute_dtype).itemsize / tensor
+    return bool(device_memory) and size <= device_memory / 8
+
+
 class Decoded(NamedTuple):
     """``Sampler.decode``'s result: global [N, R] / [N] arrays in the original row order."""
 
@@ -123,14 +147,29 @@ class Sampler:
     shardings (never gathered to one device). Prompts and samples are split over the mesh's
     data x fsdp axes; the KV cache [L, N, K, S, H] is split as ``CACHE_AXES`` under ``rules``
     (batch over data x fsdp, kv heads over tensor).
+
+    ``whole_weights``: whether the programs' own copy of the weights (``sampling_params``) is whole
+    along the batch axes (``shd.weights_off_batch_axes``; split over "tensor" still), so that each
+    device decodes its rows with no collective. With the weights split over fsdp as the trainer's
+    are, every decode step gathers them all: 3B on 8 H100s with fsdp=8, compiled, 133 all-gathers
+    of 6.17 GB per device per step (docs/measurements/aot_2026-11-28_sampler_weights). "on",
+    "off", or "auto": on where a mesh axis of the batch splits the weights, on a GPU or TPU, and
+    the copy takes at most an eighth of a device's memory (``device_memory`` bytes; default: the
+    device's own figure, where it gives one). An eighth, because the copy is held through the
+    rollout beside the training state and two KV caches: 7B on a v5p-8 (fsdp=4), whose copy is
+    16% of a chip, compiled to 97.7 GiB of 95 with it whole, 87.1 without.
     """
 
-    def __init__(self, model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES):
+    def __init__(self, model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES, whole_weights: str = "auto",
+                 device_memory: int | None = None):
         # LoRA: the programs run the plain model on weights with the adapters merged, once per
         # rollout (``sampling_params``); applied unmerged, a 1.5B decode step compiled for an H100
         # ran 790 kernels and moved 12.9 GB instead of 413 and 7.5 (docs/measurements/lora_2026-11-27)
         self._lora = model_cfg if model_cfg.lora_rank else None
         model_cfg = model_cfg.replace(lora_rank=0)
+        self.whole_weights = _whole_weights(model_cfg, mesh, rules, whole_weights, device_memory)
+        if self.whole_weights:
+            rules = shd.weights_off_batch_axes(rules)
         self.cfg, self.mesh, self.rules = model_cfg, mesh, rules
         self.devices = shd.batch_divisor(mesh)
         self._prefill = jax.jit(functools.partial(programs.prefill, model_cfg))
@@ -143,7 +182,7 @@ class Sampler:
         self._scatter = jax.jit(functools.partial(programs.scatter, devices=self.devices), donate_argnames=("out",))
         self._cast = None
         per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
-        if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer or self._lora:
+        if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer or self._lora or self.whole_weights:
             from arlopti_jax.models import decoder, lora, param_shardings
 
             dtype, shardings = model_cfg.compute_dtype, param_shardings(model_cfg, mesh, rules)
@@ -357,7 +396,7 @@ class Sampler:
         ends, kernel = sampling.phase_ends(), sampling.kernel_key
         with shd.activate(self.mesh, self.rules):
             if self._cast is not None:
-                params = compile("sampling weights", self._cast, params)
+                params = compile(SAMPLING_WEIGHTS, self._cast, params)
             cache, logits = compile("prefill", self._prefill, params, ids, ids)
             start = compile("start", self._start, cache, logits, ids, live, stops, key, temperature, top_p, eos_ids,
                             n=n, max_len=r, slots=p + ends[0], kernel=kernel, greedy=greedy)

@@ -48,6 +48,21 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+PARAM_AXES = ("layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm", "lora_rank")
+
+
+def weights_off_batch_axes(rules=DEFAULT_RULES) -> tuple:
+    """``rules`` with no weight axis on the batch axes (``BATCH_AXES``): weights whole along
+    them (split over "tensor" still), activations and the cache as before. The sampler's own
+    weights, where they fit (``Sampler``): each device then decodes its rows without gathering
+    a weight at every step."""
+    def off(axes):
+        kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in BATCH_AXES and a)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return tuple((name, off(axes) if name in PARAM_AXES else axes) for name, axes in rules)
+
+
 def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int) -> dict[str, int]:
     """Fill in the one ``-1`` axis so the product equals ``num_devices``."""
     unknown = [a for a in shape if a not in MESH_AXES]

@@ -20,4 +20,8 @@ LAYOUTS = {"3b": dict(data=1, fsdp=8, tensor=1), "7b": dict(data=1, fsdp=8, tens
 
 
 def get_config(arg: str = "7b,grpo_ar_lopti"):
-    return apply_layout(load_config_file(KK, arg), **LAYOUTS[arg.split(",")[0]])
+    c = apply_layout(load_config_file(KK, arg), **LAYOUTS[arg.split(",")[0]])
+    # the sampler's bfloat16 copy of the weights whole on each GPU, so no decode step gathers them ("auto" does so
+    # for 3B; 7B's copy, 15.2 GB, is over its eighth of an H100, but compiled the step peaks at 52.4 GiB of 79)
+    c.rollout.whole_weights = "on"
+    return c

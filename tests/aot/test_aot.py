@@ -51,7 +51,9 @@ def test_one_rl_step_compiles_for_a_tpu_slice():
     record = check(small_config(**{"rollout.length_aware": True, "rollout.min_rows": 4, "rollout.phase_tokens": 8,
                                    "train.batch_prompts": 16, "train.mini_batch": 32}), targets.get("v5e-8"))
     names = [p["name"] for p in record["programs"]]
-    assert names[:2] == ["prefill", "start"] and any(n.startswith("decode") for n in names)
+    # the small model's copy is whole along fsdp (rollout.whole_weights auto): made first, and no decode step gathers
+    assert names[:3] == ["sampling weights", "prefill", "start"] and any(n.startswith("decode") for n in names)
+    assert not any("all-gather" in p["collectives"] for p in record["programs"] if p["name"].startswith("decode"))
     assert any(n.startswith("grow") for n in names) and any(n.startswith("compact") for n in names)
     assert [n.split()[0] for n in names[-4:]] == ["log-probs", "zeros", "accumulate", "apply"]
     assert record["fits"] and record["mesh"]["fsdp"] == 8 and record["processes"] == 1
@@ -398,3 +400,24 @@ def test_fused_decode_products_leave_one_xla_product_per_step_on_an_h100(product
         assert (pallas_calls, gemms) == (layers, 4 * layers)
         assert norms >= 2 * layers
     assert hlo.family("decode_matmul__12") == hlo.family("decode_matmul_1.2") == hlo.family("decode_matmul")
+
+
+def test_the_sampler_weights_count_in_every_rollout_programs_peak():
+    """A ``generate`` holds the sampler's copy of the weights from its first program to its last, so
+    ``start`` (which does not take it) peaks at least the copy over the resident state, as
+    ``prefill`` and ``decode`` (which do) count it among their arguments. On 8 H100s with fsdp the copy
+    is whole by default (``rollout.whole_weights`` auto): the decode step gathers no weight."""
+    from arlopti_jax.aot.check import check
+
+    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False})
+    record = check(config, targets.get("h100x8"), groups=("rollout",))
+    programs = {p["name"].split()[0]: p for p in record["programs"]}
+    copy = programs["sampling"]["memory"]["output"]
+    assert copy > 0
+    resident = record["resident_bytes_per_device"]
+    start = programs["start"]
+    own = start["memory"]["argument"] + start["memory"]["output"] - start["memory"]["alias"] + start["memory"]["temp"]
+    # the copy's bytes as its shards count them (the program's output size adds a few hundred bytes of tables)
+    assert abs(start["peak_bytes_per_device"] - (resident + own) - copy) < 1024
+    assert "all-gather" not in programs["decode"]["collectives"]
+    assert programs["sampling"]["collectives"]["all-gather"]["count"] > 0  # gathered once per rollout

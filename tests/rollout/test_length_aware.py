@@ -302,6 +302,64 @@ def test_the_gpu_fused_products_equal_the_loop(folder, policy, layout, monkeypat
     assert {x[0] * (8 if layout else 1) for x, _ in traced} == rows
 
 
+def test_whole_sampler_weights_draw_the_same_and_gather_nothing_per_step(folder, policy):
+    """``whole_weights="on"`` on a data x fsdp mesh: the sampler's copy of the weights is whole along
+    fsdp (``shd.weights_off_batch_axes``), so its decode loop runs with no all-gather, where the
+    trainer's fsdp-split weights need one per weight at every step; the tokens and log-probs are
+    those of one device, through every phase and compaction."""
+    kw = dict(temperature=0.8, top_k=20)
+    want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    mesh = shd.make_mesh({"data": 2, "fsdp": 4})
+    cfg, params = load_pretrained(folder, mesh=mesh)
+    split, whole = Sampler(cfg, mesh, whole_weights="off"), Sampler(cfg, mesh, whole_weights="on")
+    assert not split.whole_weights and whole.whole_weights
+    copy = whole.sampling_params(params)
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(copy))
+    assert not all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(split.sampling_params(params)))
+    got = whole.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+    assert len(got.decode_loops) > 3  # compacted and grew
+    _assert_same(got, want)
+
+    def decode_text(sampler):
+        sampling = _config(False, **kw)
+        batch = sampler.pad_prompts(PROMPTS, sampling)
+        state = sampler.start(params, batch, N, jax.random.key(5), sampling, STOPS)
+        temperature, top_p, eos, greedy = sampler._traced_settings(sampling)
+        with shd.activate(sampler.mesh, sampler.rules):
+            return sampler._decode.lower(sampler.sampling_params(params), state, jax.random.key(5), temperature,
+                                         top_p, eos, np.int32(0), kernel=sampling.kernel_key,
+                                         greedy=greedy).compile().as_text()
+
+    def gathers(text):  # of weights: top_k's draw gathers the rows' logits either way (a TopK of its own)
+        return [line for line in text.splitlines() if " all-gather(" in line and "/top_k" not in line]
+
+    assert len(gathers(decode_text(split))) >= cfg.num_layers and gathers(decode_text(whole)) == []
+
+
+def test_whole_weights_auto_follows_the_platform_the_split_and_the_memory():
+    """"auto": whole weights where an fsdp axis splits them on a GPU or TPU and the copy takes at
+    most an eighth of a device's memory (3B in bfloat16: 6.2 GB; 7B: 15.2 GB); never on a CPU or
+    where no batch axis splits them."""
+    from arlopti_jax.aot import shapes, targets
+    from arlopti_jax.models import ModelConfig
+    from arlopti_jax.rollout.sampler import _whole_weights
+
+    size = lambda name: ModelConfig.from_hf_dict(shapes.qwen25(name), dtype="bfloat16")
+    gpus = list(targets.devices(targets.get("h100x8")))
+    h100 = targets.get("h100x8").hbm_bytes
+    on = lambda cfg, mesh, memory, setting="auto": _whole_weights(cfg, mesh, shd.DEFAULT_RULES, setting, memory)
+    fsdp8 = shd.make_mesh({"fsdp": 8}, devices=gpus)
+    assert on(size("3b"), fsdp8, h100) and not on(size("7b"), fsdp8, h100)  # 7% and 18% of an H100
+    assert not on(size("3b"), fsdp8, 16 * 2**30)  # a v5e chip
+    assert not on(size("3b"), shd.make_mesh({"fsdp": 1, "tensor": 8}, devices=gpus), h100)  # no fsdp split
+    assert not on(size("3b"), shd.make_mesh({"fsdp": 8}), h100)  # the CPU
+    assert on(size("7b"), fsdp8, h100, "on") and not on(size("3b"), fsdp8, h100, "off")
+    with pytest.raises(ValueError, match=r"whole_weights='yes': allowed \['auto', 'on', 'off'\]"):
+        on(size("3b"), fsdp8, h100, "yes")
+    whole = dict(shd.weights_off_batch_axes(shd.DEFAULT_RULES))
+    assert whole["embed"] is None and whole["mlp"] == "tensor" and whole["act_batch"] == shd.BATCH_AXES
+
+
 def test_the_tpu_attention_equals_the_cpu_one(policy, monkeypatch):
     """On a TPU the sampler's attention reads the stacked cache before writing the call's own
     keys (``decoder.read_before_write``: the cache's slots and the call's keys scored apart, one
