@@ -1,5 +1,6 @@
 """What the benchmarks share: model-shape presets, the device's peak, compile counting, timing
-and interleaved rounds, and transformers' side of a train step.
+and interleaved rounds, the single-kernel benchmarks' scaffolding, and transformers' side of a
+train step.
 
     import common                                # a script run as python bench/X.py has bench/ on sys.path
     cfg = common.model_config("3b", layers=2)    # real widths, fewer layers (CPU)
@@ -219,6 +220,61 @@ def interleaved(sides: dict, rounds: int, tokens) -> dict[str, list[float]]:
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ---------------------------------------------------------------- kernel benchmarks
+def add_kernel_flags(parser, iters: int, what: str) -> None:
+    """The flags the single-kernel benchmarks share (``decode_kernel.py``, ``decode_matmul.py``)."""
+    parser.add_argument("--sweep", action="store_true", help="time every --configs setting (default: the first only)")
+    parser.add_argument("--iters", type=int, default=iters, help=f"calls per timed program, {what}")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default="", help="write the records here")
+    parser.add_argument("--quick", action="store_true", help="a CPU check of this script: small shapes, interpret mode")
+
+
+def kernel_device(what: str = "") -> tuple[object, bool, float]:
+    """(device, interpret, HBM bytes/s) for a kernel benchmark, its header printed: Pallas runs in
+    interpret mode off a GPU, and the bandwidth is the datasheet's (0 where unknown)."""
+    import jax
+
+    from arlopti_jax.aot.targets import hbm_bandwidth
+
+    device = jax.devices()[0]
+    interpret = device.platform != "gpu"
+    print(f"{device.device_kind}, jax {jax.__version__}{'; ' + what if what else ''}; "
+          f"{'interpret mode (no GPU): figures are not kernel times' if interpret else 'bfloat16'}", flush=True)
+    return device, interpret, hbm_bandwidth(device.device_kind) or 0.0
+
+
+def program_seconds(program, x, calls: int, repeats: int) -> float:
+    """Seconds per call of a jitted ``program(x)`` that makes ``calls`` calls: median of ``repeats``
+    after a warm-up (the compile)."""
+    import jax
+
+    jax.block_until_ready(program(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(x))
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def failed_row(err: Exception, width: int) -> str:
+    """A setting the compiler rejects (Triton's shared memory...): the first line of its error."""
+    return f"failed: {str(err).splitlines()[0][:width]}"
+
+
+def write_records(path: str, device, records: list) -> None:
+    """``--json``: the device, jax's version and the records."""
+    import json
+    from pathlib import Path
+
+    import jax
+
+    if path:
+        Path(path).write_text(json.dumps({"device": device.device_kind, "jax": jax.__version__, "records": records},
+                                         indent=1) + "\n")
 
 
 # ---------------------------------------------------------------- transformers' train step

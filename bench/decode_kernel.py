@@ -16,7 +16,7 @@ check.
   GPU Triton's float32 dot runs in TF32, about 3e-4, as XLA's default float32 dot does there);
 - time: ``--iters`` dependent calls as one straight-line program (each call's cache is the last
   one's; XLA:GPU launches it as one command buffer, as the decode step), after a warm-up, median of
-  ``--repeats``; XLA's path is ``decoder.cached_attention`` after the bias and
+  ``--repeats``; XLA's path is ``decode.cached_attention`` after the bias and
   RoPE, as ``Attention`` runs it; bytes are the live slots' keys and values read once plus the
   inputs; the fraction is of the GPU's datasheet HBM bandwidth (``aot.targets.hbm_bandwidth``).
 
@@ -26,12 +26,10 @@ Prints one table; ``--json`` writes the records.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import sys
-import time
-from pathlib import Path
+
+import common
 
 
 def parse_args(argv=None):
@@ -42,11 +40,7 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default="128:0:4:2,128:0:4:3,64:0:4:2,64:0:4:3,128:1:4:2,128:-2:4:2,128:-2:4:3",
                     help="with --sweep: kernel settings block_k:splits:num_warps:num_stages (splits 0: the kernel's "
                          "choice; -2: twice it)")
-    ap.add_argument("--sweep", action="store_true", help="time every --configs setting (default: the first only)")
-    ap.add_argument("--iters", type=int, default=20, help="calls per timed program")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default="", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="a CPU check of this script: small shapes, interpret mode")
+    common.add_kernel_flags(ap, 20, "each with the last one's cache")
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.heads, args.head_dim, args.iters, args.repeats = "4x96", "4/2", 32, 2, 1
@@ -60,19 +54,14 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from arlopti_jax.aot.targets import hbm_bandwidth
     from arlopti_jax.models import decode_attention as da
-    from arlopti_jax.models import decoder, rope
+    from arlopti_jax.models import decode, rope
 
-    device = jax.devices()[0]
-    interpret = device.platform != "gpu"
-    bandwidth = hbm_bandwidth(device.device_kind) or 0.0
     n, kv = (int(x) for x in args.heads.split("/"))
     g, h = n // kv, args.head_dim
+    device, interpret, bandwidth = common.kernel_device(f"heads {n}/{kv} of {h}")
     freq = 1.0 / (1e6 ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     scale = 1.0 / math.sqrt(h)
-    print(f"{device.device_kind}, jax {jax.__version__}; heads {n}/{kv} of {h}; "
-          f"{'interpret mode (no GPU): figures are not kernel times' if interpret else 'bfloat16'}", flush=True)
 
     def inputs(rows, slots, dtype, seed):
         rng = np.random.default_rng(seed)
@@ -96,7 +85,7 @@ def main(argv=None) -> int:
         k = rope.apply_rope(qkv[:, None, :, g], x["positions"][:, None], x["inv_freq"])
         slots = jnp.arange(x["k_cache"].shape[2])
         live = (slots[None, :] >= x["start"][:, None]) & (slots[None, :] <= x["pos"])
-        out, cache = decoder.cached_attention(q, k, qkv[:, None, :, g + 1], live[:, None, None, :], scale,
+        out, cache = decode.cached_attention(q, k, qkv[:, None, :, g + 1], live[:, None, None, :], scale,
                                               {"k": (x["k_cache"],), "v": (x["v_cache"],)}, 0, x["pos"])
         return out[:, 0], cache["k"][0], cache["v"][0]
 
@@ -126,14 +115,7 @@ def main(argv=None) -> int:
                 acc = acc + out[0, 0, 0].astype(jnp.float32)
             return kc, vc, acc
 
-        run = jax.jit(calls)
-        jax.block_until_ready(run(x))
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(x))
-            times.append((time.perf_counter() - start) / args.iters)
-        return statistics.median(times)
+        return common.program_seconds(jax.jit(calls), x, args.iters, args.repeats)
 
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     records, failed = [], False
@@ -157,8 +139,8 @@ def main(argv=None) -> int:
                 rel32, slot32, ok32 = check(rows, slots, jnp.float32, 20 + i, **kw)
                 seconds = timed(lambda x: kernel(x, **kw), x)
             except Exception as err:  # a setting Triton rejects (shared memory...): its row says so
-                lines.append(f"| {rows} x {slots} | Pallas | {block_k}:{splits}:{warps}:{stages} | failed: "
-                             f"{str(err).splitlines()[0][:120]} | | | | | |")
+                lines.append(f"| {rows} x {slots} | Pallas | {block_k}:{splits}:{warps}:{stages} | "
+                             f"{common.failed_row(err, 120)} | | | | | |")
                 failed = True
                 continue
             good = rel16 < 1e-2 and rel32 < 1e-3 and ok16 and ok32 and slot32 < 1e-3 and slot16 < 0.07
@@ -172,9 +154,7 @@ def main(argv=None) -> int:
                                 rel_error_f32=rel32, slot_error_bf16=slot16, ok=good))
         print("\n".join(lines[-(1 + (len(configs) if args.sweep or args.quick else 1)):]), flush=True)
     print("\n" + "\n".join(lines))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": device.device_kind, "jax": jax.__version__,
-                                               "records": records}, indent=1) + "\n")
+    common.write_records(args.json, device, records)
     return 1 if failed else 0
 
 

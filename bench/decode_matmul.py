@@ -22,11 +22,9 @@ Prints one table; ``--json`` writes the records.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from pathlib import Path
+
+import common
 
 PRODUCTS = {"qkv": (1536, 2048, ("norm",)), "o": (1536, 1536, ("residual",)),
             "gate_up": (1536, 8960, ("norm", "up")), "down": (8960, 1536, ("residual",))}
@@ -40,11 +38,7 @@ def parse_args(argv=None):
                                          "0:64:256:0:8:2,0:64:128:1:4:3,16:64:128:0:4:3,0:64:128:-2:4:3",
                     help="with --sweep: kernel settings block_m:block_n:block_k:splits:num_warps:num_stages "
                          "(block_m 0 and splits 0: the kernel's choice; splits 1: none, -2: twice the choice)")
-    ap.add_argument("--sweep", action="store_true", help="time every --configs setting (default: the first only)")
-    ap.add_argument("--iters", type=int, default=16, help="calls per timed program, each with its own weights")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default="", help="write the records here")
-    ap.add_argument("--quick", action="store_true", help="a CPU check of this script: small widths, interpret mode")
+    common.add_kernel_flags(ap, 16, "each with its own weights")
     args = ap.parse_args(argv)
     if args.quick:
         args.rows, args.iters, args.repeats, args.configs = "5", 2, 1, "0:16:32:0:4:3,16:32:64:1:4:3"
@@ -57,14 +51,9 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from arlopti_jax.aot.targets import hbm_bandwidth
     from arlopti_jax.models import decode_matmul as dm
 
-    device = jax.devices()[0]
-    interpret = device.platform != "gpu"
-    bandwidth = hbm_bandwidth(device.device_kind) or 0.0
-    print(f"{device.device_kind}, jax {jax.__version__}; "
-          f"{'interpret mode (no GPU): figures are not kernel times' if interpret else 'bfloat16'}", flush=True)
+    device, interpret, bandwidth = common.kernel_device()
     shrink = 16 if args.quick else 1
 
     def inputs(product, rows, dtype, seed, weights=1):
@@ -84,14 +73,8 @@ def main(argv=None) -> int:
                                           if name not in ("x", "w")})
 
     def timed(fn, x) -> float:
-        run = jax.jit(lambda x: tuple(call(fn, x, i) for i in range(args.iters)))
-        jax.block_until_ready(run(x))
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(x))
-            times.append((time.perf_counter() - start) / args.iters)
-        return statistics.median(times)
+        return common.program_seconds(jax.jit(lambda x: tuple(call(fn, x, i) for i in range(args.iters))), x,
+                                      args.iters, args.repeats)
 
     def kernel(rows, k, n, block_m, block_n, block_k, splits, warps, stages):
         if splits == -2:
@@ -124,8 +107,7 @@ def main(argv=None) -> int:
                     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
                     seconds = timed(fn, x)
                 except Exception as err:  # a setting Triton rejects (shared memory...): its row says so
-                    lines.append(f"| {product} | {rows} | Pallas | {label} | failed: {str(err).splitlines()[0][:80]} "
-                                 "| | | | |")
+                    lines.append(f"| {product} | {rows} | Pallas | {label} | {common.failed_row(err, 80)} | | | | |")
                     continue
                 failed |= not rel < 1e-2
                 lines.append(f"| {product} | {rows} | Pallas | {label} | {seconds * 1e6:.1f} | "
@@ -134,9 +116,7 @@ def main(argv=None) -> int:
                                     bytes=moved, rel_error=rel))
             print(lines[-1], flush=True)
     print("\n" + "\n".join(lines))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": device.device_kind, "jax": jax.__version__,
-                                               "records": records}, indent=1) + "\n")
+    common.write_records(args.json, device, records)
     if failed:
         print("error: a kernel's output is off the reference by 1e-2 or more (see rel. error)", file=sys.stderr)
     return 1 if failed else 0

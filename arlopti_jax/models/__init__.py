@@ -1,7 +1,8 @@
 """The policy model: a Flax Qwen2/Llama decoder, its functional API and HF checkpoint I/O."""
 
 from arlopti_jax.models.config import ModelConfig
-from arlopti_jax.models.decoder import Decoder, init_cache, position_ids
+from arlopti_jax.models.decode import init_cache
+from arlopti_jax.models.decoder import Decoder, position_ids
 from arlopti_jax.models.policy import (
     abstract_params,
     hidden_states,

@@ -9,14 +9,14 @@ heads, slots, head dim; ``rollout/programs.per_layer_cache``). A row's live slot
 kernels per layer (the RoPE'd key and value each written into the cache, the scores as a batched
 matrix product over every slot, the softmax, the values' product). Here one kernel does it:
 
-- the projections arrive grouped by kv head (``decoder.fuse_qkv``): kv head h's G = N / K query
+- the projections arrive grouped by kv head (``decode.fuse_qkv``): kv head h's G = N / K query
   heads, then its key, then its value, one block of ``BLOCK_G`` rows (so G <= ``BLOCK_G`` - 2);
 - grid (B, K, splits): program (b, h, s) takes the G query heads that share kv head h (padded to
   16 rows for the tensor cores) and the slots of split s, in blocks of ``block_k``
   slots from the first block that holds a live slot to the last one before ``pos``: slots before
   a row's prompt and after this step's token are never read;
 - an online softmax over the blocks in float32 (scores and the running maximum and sum), the
-  probabilities cast to the values' dtype for their product, as ``decoder.cached_attention``
+  probabilities cast to the values' dtype for their product, as ``decode.cached_attention``
   does;
 - the last split also scores this step's own key and value from the call's arrays (never from the
   cache: the slot is written by the same kernel, so no program reads it) and writes them into
@@ -167,7 +167,7 @@ def decode_attention(qkv: Array, bias: Array, positions: Array, inv_freq: Array,
     """One decode step's attention for one layer, on one device's rows.
 
     qkv [B, K, G + 2, H]: this step's projections grouped by kv head (its G query heads, then its key
-    and its value; ``decoder.fuse_qkv``), before ``bias`` [K, G + 2, H] and RoPE (at ``positions``
+    and its value; ``decode.fuse_qkv``), before ``bias`` [K, G + 2, H] and RoPE (at ``positions``
     [B] int32 with frequencies ``inv_freq`` [H / 2], ``rope.rope_inv_freq``), which the kernel
     adds; k_cache, v_cache [B, K, S, H], the layer's buffers (donated: updated in place); start [B]
     int32, each row's first live slot; pos int32 scalar, this step's slot (every row's). Row b

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
-from arlopti_jax.models.decoder import (CACHE_AXES, Block, Decoder, RMSNorm, attention_mask, fused_counters,
-                                        fused_layer, fused_layers, position_ids)
+from arlopti_jax.models.decode import CACHE_AXES, fused_counters, fused_layer, fused_layers
+from arlopti_jax.models.decoder import Block, Decoder, RMSNorm, attention_mask, position_ids
 from arlopti_jax.models.policy import unembed_matrix
 from arlopti_jax.rollout.sampling import sample_tokens
 
@@ -70,7 +70,7 @@ def per_layer_cache(platform: str | None = None) -> bool:
     and each attending to a whole buffer of its own (on a GPU), rather than one stacked buffer the
     layer loop indexes (elsewhere). With the stacked cache, XLA:GPU copies each layer's slice out
     before reading it, at every layer of every step; XLA:TPU reads it in place (the attention reads
-    the cache before it writes it: ``decoder.cached_attention``), and the loop keeps compiles short.
+    the cache before it writes it: ``decode.cached_attention``), and the loop keeps compiles short.
     ``platform``: the mesh's (default: the one programs are traced for, ``sharding.platform``)."""
     return (platform or shd.platform()) == "gpu"
 
@@ -122,7 +122,7 @@ def _forward(cfg: ModelConfig, params, tokens: Array, positions: Array, kv_mask:
     for i in range(cfg.num_layers):
         layers = params["layers"]  # a buffer per layer (``Sampler.sampling_params``), or stacked
         layer = layers[i] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[i], layers)
-        if counters is not None:  # a decode step's layer in 6 kernels (GPU; ``decoder.fused_layer``)
+        if counters is not None:  # a decode step's layer in 6 kernels (GPU; ``decode.fused_layer``)
             x, cache, counters = fused_layer(cfg, layer, x, positions, mask, cache, i, cache_index, counters)
         else:
             (x, cache), _ = Block(cfg).apply({"params": layer}, (x, cache), i, positions, mask, cache_index)

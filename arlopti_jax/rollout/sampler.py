@@ -67,7 +67,7 @@ import numpy as np
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
-from arlopti_jax.models.decoder import CACHE_AXES
+from arlopti_jax.models.decode import CACHE_AXES
 from arlopti_jax.rollout import programs
 from arlopti_jax.rollout.output import Rollout
 from arlopti_jax.rollout.programs import OUTPUTS, DecodeState, row_fields
@@ -183,7 +183,7 @@ class Sampler:
         self._cast = None
         per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
         if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer or self._lora or self.whole_weights:
-            from arlopti_jax.models import decoder, lora, param_shardings
+            from arlopti_jax.models import decode, lora, param_shardings
 
             dtype, shardings = model_cfg.compute_dtype, param_shardings(model_cfg, mesh, rules)
 
@@ -191,9 +191,9 @@ class Sampler:
                 if self._lora:
                     p = lora.merge(self._lora, p)
                 p = jax.tree.map(lambda w: w.astype(dtype), p)
-                if per_layer:  # a buffer per layer, q, k and v as one projection (``decoder.fuse_qkv``)
+                if per_layer:  # a buffer per layer, q, k and v as one projection (``decode.fuse_qkv``)
                     p = {**p, "layers": tuple(
-                        {**layer, "attn": decoder.fuse_qkv(model_cfg, layer["attn"])}
+                        {**layer, "attn": decode.fuse_qkv(model_cfg, layer["attn"])}
                         for layer in (jax.tree.map(lambda w: w[i], p["layers"]) for i in range(model_cfg.num_layers)))}
                 return p
 
@@ -202,12 +202,12 @@ class Sampler:
                     *sh.spec[1:])), shardings["layers"])
                 heads = (model_cfg.num_kv_heads, model_cfg.num_heads // model_cfg.num_kv_heads + 2)
                 fused = shd.logical_to_shardings(
-                    {"qkv_kernel": jax.sharding.PartitionSpec(*decoder.QKV_AXES),
-                     "qkv_bias": jax.sharding.PartitionSpec(*decoder.QKV_AXES[1:])}, mesh, rules,
+                    {"qkv_kernel": jax.sharding.PartitionSpec(*decode.QKV_AXES),
+                     "qkv_bias": jax.sharding.PartitionSpec(*decode.QKV_AXES[1:])}, mesh, rules,
                     shapes={"qkv_kernel": jax.ShapeDtypeStruct((model_cfg.hidden_size, *heads, model_cfg.head_dim),
                                                                dtype),
                             "qkv_bias": jax.ShapeDtypeStruct((*heads, model_cfg.head_dim), dtype)})
-                attn = {name: sh for name, sh in one["attn"].items() if name not in decoder.QKV_NAMES}
+                attn = {name: sh for name, sh in one["attn"].items() if name not in decode.QKV_NAMES}
                 attn["qkv_kernel"] = fused["qkv_kernel"]
                 if model_cfg.qkv_bias:
                     attn["qkv_bias"] = fused["qkv_bias"]

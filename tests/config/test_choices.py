@@ -82,48 +82,33 @@ def test_cispo_with_the_sequence_ratio_is_one_rule():
     assert str(raised.value) == f"LossConfig.ratio_level='sequence': {rule}"
 
 
-def test_cudnn_attention_is_checked_against_the_platform():
-    """validate's platform: this machine's backend for train and eval, the target's for aot (which
-    compiles cuDNN's attention for an H100 on a CPU machine)."""
-
+@pytest.mark.parametrize("field, value, others, rule", [
+    ("attention", "cudnn", {"dtype": "bfloat16"}, "cuDNN's fused attention .* runs on"),
+    ("decode_attention", "pallas", {}, "the Pallas decode kernel runs only on a GPU, and this runs on"),
+    ("decode_matmul", "pallas", {}, "the Pallas decode products run only on a GPU, and this runs on"),
+], ids=["attention", "decode_attention", "decode_matmul"])
+def test_gpu_only_choices_are_checked_against_the_platform(field, value, others, rule):
+    """A GPU-only setting is refused on a CPU or TPU (validate's platform: this machine's backend for
+    train and eval, the target's for aot, which compiles GPU kernels for an H100 on a CPU machine);
+    'auto' picks per backend by itself."""
     c = base_config()
-    c.model.attention, c.model.dtype = "cudnn", "bfloat16"
+    for name, v in {field: value, **others}.items():
+        setattr(c.model, name, v)
     validate(c)  # no platform: not checked
     validate(c, 1, "gpu")
     for platform in ("cpu", "tpu"):
-        with pytest.raises(ConfigError, match=rf"config.model.attention='cudnn' is invalid: .* runs on {platform}"):
+        with pytest.raises(ConfigError, match=rf"config.model.{field}='{value}' is invalid: {rule} {platform}"):
             validate(c, 1, platform)
-    c.model.attention = "auto"  # picks per backend by itself
+    setattr(c.model, field, "auto" if field != "decode_matmul" else "xla")
     validate(c, 1, "cpu")
 
 
-def test_the_pallas_decode_kernel_is_checked_against_the_platform():
-    """model.decode_attention=pallas runs only on a GPU (validate's platform: this machine's for train
-    and eval, the target's for aot); 'auto' picks per backend by itself."""
+def test_the_fused_decode_products_need_the_pallas_attention():
+    """model.decode_matmul=pallas runs only in the Pallas attention's decode steps."""
     c = base_config()
-    c.model.decode_attention = "pallas"
-    validate(c)  # no platform: not checked
-    validate(c, 1, "gpu")
-    for platform in ("cpu", "tpu"):
-        with pytest.raises(ConfigError, match=rf"config.model.decode_attention='pallas' is invalid: the Pallas decode "
-                                              rf"kernel runs only on a GPU, and this runs on {platform}"):
-            validate(c, 1, platform)
-    c.model.decode_attention = "auto"
-    validate(c, 1, "cpu")
-
-
-def test_the_fused_decode_products_are_checked_against_the_platform_and_the_attention():
-    """model.decode_matmul=pallas runs only on a GPU, and only in the Pallas attention's decode steps."""
-    c = base_config()
-    c.model.decode_matmul = "pallas"
-    validate(c, 1, "gpu")
-    for platform in ("cpu", "tpu"):
-        with pytest.raises(ConfigError, match=rf"config.model.decode_matmul='pallas' is invalid: the Pallas decode "
-                                              rf"products run only on a GPU, and this runs on {platform}"):
-            validate(c, 1, platform)
-    c.model.decode_attention = "xla"
+    c.model.decode_matmul, c.model.decode_attention = "pallas", "xla"
     with pytest.raises(ConfigError, match=r"config.model.decode_matmul='pallas' is invalid: .* need "
                                           r"model.decode_attention 'auto' or 'pallas'"):
         validate(c, 1, "gpu")
-    c.model.decode_matmul = "xla"
-    validate(c, 1, "cpu")
+    c.model.decode_attention = "pallas"
+    validate(c, 1, "gpu")

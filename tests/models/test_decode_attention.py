@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arlopti_jax.models import ModelConfig, decoder, init_params
+from arlopti_jax.models import ModelConfig, decode, init_params
 from arlopti_jax.models import decode_attention as da
 from arlopti_jax.models.rope import apply_rope
 from arlopti_jax.runtime import sharding as shd
@@ -68,7 +68,7 @@ def test_the_kernel_equals_the_decoders_xla_attention_in_bfloat16():
     q = apply_rope(qkv[:, None, :, :g].reshape(rows, 1, heads, h), x["positions"][:, None], x["inv_freq"])
     k = apply_rope(qkv[:, None, :, g], x["positions"][:, None], x["inv_freq"])
     live = (jnp.arange(slots)[None, :] >= start[:, None]) & (jnp.arange(slots)[None, :] <= pos)
-    out, cache = decoder.cached_attention(q, k, qkv[:, None, :, g + 1], live[:, None, None, :], scale,
+    out, cache = decode.cached_attention(q, k, qkv[:, None, :, g + 1], live[:, None, None, :], scale,
                                           {"k": (x["k_cache"],), "v": (x["v_cache"],)}, 0, pos)
     got = da.decode_attention(x["qkv"], x["bias"], x["positions"], x["inv_freq"], x["k_cache"], x["v_cache"], start,
                               pos, scale=scale, splits=3, block_k=32, interpret=True)
@@ -93,12 +93,12 @@ def test_which_heads_the_compiled_kernel_takes():
 def test_auto_picks_the_kernel_on_a_gpu_for_the_heads_it_takes(monkeypatch):
     qwen = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=12, num_kv_heads=2,
                        head_dim=128)
-    assert not decoder.decode_kernel(qwen)  # the CPU: XLA's attention
-    assert decoder.decode_kernel(qwen.replace(decode_attention="pallas"))
+    assert not decode.decode_kernel(qwen)  # the CPU: XLA's attention
+    assert decode.decode_kernel(qwen.replace(decode_attention="pallas"))
     monkeypatch.setattr(shd, "platform", lambda: "gpu")
-    assert decoder.decode_kernel(qwen)
-    assert not decoder.decode_kernel(qwen.replace(decode_attention="xla"))
-    assert not decoder.decode_kernel(qwen.replace(head_dim=80))  # the kernel does not take it: XLA's
+    assert decode.decode_kernel(qwen)
+    assert not decode.decode_kernel(qwen.replace(decode_attention="xla"))
+    assert not decode.decode_kernel(qwen.replace(head_dim=80))  # the kernel does not take it: XLA's
     with pytest.raises(ValueError, match="decode_attention='flash'"):
         qwen.replace(decode_attention="flash")
 
@@ -112,7 +112,7 @@ def test_the_fused_qkv_layout_gives_the_same_model():
     positions = jnp.broadcast_to(jnp.arange(4), (2, 4))
     params = init_params(cfg, jax.random.key(0), shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
     params = jax.tree.map(lambda w: w + 0.05 * jax.random.normal(jax.random.key(1), w.shape), params)  # biases too
-    layers = lambda p, fuse: tuple({**layer, "attn": decoder.fuse_qkv(cfg, layer["attn"]) if fuse else layer["attn"]}
+    layers = lambda p, fuse: tuple({**layer, "attn": decode.fuse_qkv(cfg, layer["attn"]) if fuse else layer["attn"]}
                                    for layer in (jax.tree.map(lambda w: w[i], p["layers"]) for i in range(2)))
 
     def run(fuse):

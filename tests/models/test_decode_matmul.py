@@ -54,7 +54,7 @@ def test_the_grid_splits_the_contracted_axis_for_enough_programs():
 
 def test_threaded_counters_come_back_zero_and_serve_the_next_call():
     """With several splits the programs count themselves in ``counters``; each call leaves them at
-    zero, so one buffer serves a step's calls in turn (``decoder.fused_layer``), whatever their grids."""
+    zero, so one buffer serves a step's calls in turn (``decode.fused_layer``), whatever their grids."""
     ops = _operands(np.random.default_rng(1), 20, 96, 48, jnp.float32)
     counters = jnp.zeros(dm.counters_for(20, (48, 96), block_m=16, block_n=16), jnp.int32)
     out, counters = dm.fused_matmul(ops["x"], ops["w"], norm=ops["norm"], counters=counters, block_m=16,

@@ -225,11 +225,12 @@ def test_two_processes_equal_one(tmp_path):
     np.testing.assert_allclose(np.concatenate([p["logprobs"] for p in parts]), want.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 4}], ids=["1device", "data2xfsdp4"])
-def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
-    """On a GPU the sampler's weights and KV cache are a buffer per layer and every layer runs
-    straight-line (``programs.per_layer_cache``). Forced here on the CPU, it draws the tokens and
-    log-probs of the layer loop over stacked arrays, through every phase and compaction."""
+def _forced_gpu(folder, policy, layout, monkeypatch):
+    """A sampler's setting forced to the GPU's layout on the CPU (``programs.per_layer_cache``: the
+    weights and KV cache a buffer per layer, the layers straight-line), on one device or the mesh
+    ``layout``. Returns (mesh, config, weights, check): ``check(sampler)`` draws with it and asserts
+    the tokens and log-probs of the layer loop over stacked arrays, through every phase and
+    compaction, and returns the draw."""
     from arlopti_jax.rollout import programs
 
     kw = dict(temperature=0.8, top_k=20)
@@ -237,12 +238,25 @@ def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
     mesh = shd.make_mesh(layout) if layout else policy[2].mesh
     cfg, params = load_pretrained(folder, mesh=mesh) if layout else policy[:2]
     monkeypatch.setattr(programs, "per_layer_cache", lambda platform=None: True)
+
+    def check(sampler):
+        got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
+        assert len(got.decode_loops) > 3  # compacted and grew
+        _assert_same(got, want)
+        return got
+
+    return mesh, cfg, params, check
+
+
+@pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 4}], ids=["1device", "data2xfsdp4"])
+def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
+    """On a GPU the sampler's weights and KV cache are a buffer per layer and every layer runs
+    straight-line. Forced here on the CPU, it draws the tokens and log-probs of the layer loop."""
+    mesh, cfg, params, check = _forced_gpu(folder, policy, layout, monkeypatch)
     sampler = Sampler(cfg, mesh)
     layers = sampler.sampling_params(params)["layers"]
     assert isinstance(layers, tuple) and len(layers) == cfg.num_layers
-    got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
-    assert len(got.decode_loops) > 3  # compacted and grew
-    _assert_same(got, want)
+    check(sampler)
 
 
 @pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 2, "tensor": 2}], ids=["1device", "data2xfsdp2xtensor2"])
@@ -250,23 +264,14 @@ def test_the_gpu_decode_kernel_equals_the_loop(folder, policy, layout, monkeypat
     """On a GPU each decode step's attention is one Pallas kernel per layer
     (``models/decode_attention.py``: it writes the step's key and value into the layer's buffer and
     attends over each row's live slots only), per device under the mesh. Forced here on the CPU
-    (Pallas' interpret mode), it draws the tokens and log-probs of the layer loop over stacked
-    arrays, through every phase and compaction, with rows and kv heads split over devices."""
-    from arlopti_jax.rollout import programs
-
-    kw = dict(temperature=0.8, top_k=20)
-    want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
-    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
-    cfg, params = load_pretrained(folder, mesh=mesh) if layout else policy[:2]
-    monkeypatch.setattr(programs, "per_layer_cache", lambda platform=None: True)
+    (Pallas' interpret mode), it draws the tokens and log-probs of the layer loop, with rows and kv
+    heads split over devices."""
     from arlopti_jax.models import decode_attention as da
 
+    mesh, cfg, params, check = _forced_gpu(folder, policy, layout, monkeypatch)
     traced, kernel = [], da.decode_attention
     monkeypatch.setattr(da, "decode_attention", lambda *a, **k: traced.append(a[4].shape) or kernel(*a, **k))
-    sampler = Sampler(cfg.replace(decode_attention="pallas"), mesh)
-    got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
-    assert len(got.decode_loops) > 3  # compacted and grew
-    _assert_same(got, want)
+    got = check(Sampler(cfg.replace(decode_attention="pallas"), mesh))
     # the kernel ran in every layer of every decode program, on one device's share of rows and kv heads
     devices = (mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"])
     assert len(traced) == cfg.num_layers * len({loop[:2] for loop in got.decode_loops}) > 0
@@ -278,21 +283,13 @@ def test_the_gpu_fused_products_equal_the_loop(folder, policy, layout, monkeypat
     """``model.decode_matmul=pallas``: each decode step's layer is 6 kernels, its four products
     with the RMS norms, the residual adds and silu x up fused in (``models/decode_matmul.py``), on
     each device's rows. Forced here on the CPU (Pallas' interpret mode), it draws the tokens and
-    log-probs of the layer loop over stacked arrays, through every phase and compaction."""
+    log-probs of the layer loop."""
     from arlopti_jax.models import decode_matmul as dm
-    from arlopti_jax.rollout import programs
 
-    kw = dict(temperature=0.8, top_k=20)
-    want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
-    mesh = shd.make_mesh(layout) if layout else policy[2].mesh
-    cfg, params = load_pretrained(folder, mesh=mesh) if layout else policy[:2]
-    monkeypatch.setattr(programs, "per_layer_cache", lambda platform=None: True)
+    mesh, cfg, params, check = _forced_gpu(folder, policy, layout, monkeypatch)
     traced, kernel = [], dm.fused_matmul
     monkeypatch.setattr(dm, "fused_matmul", lambda x, w, **k: traced.append((x.shape, sorted(k))) or kernel(x, w, **k))
-    sampler = Sampler(cfg.replace(decode_attention="pallas", decode_matmul="pallas"), mesh)
-    got = sampler.generate(params, PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
-    assert len(got.decode_loops) > 3  # compacted and grew
-    _assert_same(got, want)
+    got = check(Sampler(cfg.replace(decode_attention="pallas", decode_matmul="pallas"), mesh))
     # four products in every layer of every decode program (not the prefill), on one device's rows
     programs_run = len({loop[:2] for loop in got.decode_loops})
     assert len(traced) == 4 * cfg.num_layers * programs_run > 0
@@ -362,14 +359,14 @@ def test_whole_weights_auto_follows_the_platform_the_split_and_the_memory():
 
 def test_the_tpu_attention_equals_the_cpu_one(policy, monkeypatch):
     """On a TPU the sampler's attention reads the stacked cache before writing the call's own
-    keys (``decoder.read_before_write``: the cache's slots and the call's keys scored apart, one
+    keys (``decode.read_before_write``: the cache's slots and the call's keys scored apart, one
     softmax over both). Forced here on the CPU, it draws the tokens and log-probs of the
     write-then-read attention the CPU runs, through every phase and compaction."""
-    from arlopti_jax.models import decoder
+    from arlopti_jax.models import decode
 
     kw = dict(temperature=0.8, top_k=20)
     want = policy[2].generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
-    monkeypatch.setattr(decoder, "read_before_write", lambda: True)
+    monkeypatch.setattr(decode, "read_before_write", lambda: True)
     sampler = Sampler(policy[0], policy[2].mesh)  # programs traced anew
     got = sampler.generate(policy[1], PROMPTS, N, jax.random.key(5), _config(True, **kw), stop_at=STOPS)
     assert len(got.decode_loops) > 3  # compacted and grew
