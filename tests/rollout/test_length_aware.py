@@ -3,11 +3,6 @@ device) gives the dense sampler's tokens and log-probs, greedy and sampled, on o
 8-device meshes and on 2 processes; forced EOS lengths (``stop_at``) give rollouts that look like
 real ones."""
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +17,13 @@ from arlopti_jax.rollout import Sampler, SamplingConfig
 from arlopti_jax.rollout.programs import row_fields
 from hf_fixtures import write_hf_model
 from reference_sampler import reference_generate
+from two_processes import launch_two, logs_of
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
 N, R, EOS = 4, 16, (2,)
 # forced response lengths of the 16 rows: early, mid-phase, at phase ends (4, 8), at R, and never
 STOPS = np.array([3, 1, 99, 6, 2, 8, 4, 99, 5, 12, 2, 16, 7, 3, 10, 1])
 PHASES = dict(phase_tokens=4, min_rows=1)  # phases of 4, 8, 16 response slots; compact down to 1 row
-REPO = Path(__file__).resolve().parents[2]
 token_logprobs = jax.jit(_token_logprobs, static_argnums=0, static_argnames="temperature")
 
 
@@ -198,21 +193,8 @@ def test_phase_ends_and_invalid_stop_at(policy):
 def test_two_processes_equal_one(tmp_path):
     """2 processes x 4 devices (launch/local.sh): each samples its share of the prompts; the
     length-aware and dense samplers agree there, and the rows equal one process's 8 devices."""
-    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO),
-                                          os.environ.get("PYTHONPATH", "")])}
-    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_sampler",
-           "--logs", str(tmp_path / "logs"), "--", f"--out={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    logs = {p.name: p.read_text() for p in sorted((tmp_path / "logs").glob("*.log"))}
-    assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
+    proc = launch_two([f"--out={tmp_path}"], tmp_path / "logs", 300, module="multiprocess_sampler")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{logs_of(tmp_path / 'logs')}"
     parts = [np.load(tmp_path / f"process_{i}.npz") for i in (0, 1)]
 
     mesh = shd.make_mesh({"fsdp": 8})
@@ -327,7 +309,7 @@ def test_whole_sampler_weights_draw_the_same_and_gather_nothing_per_step(folder,
                                          top_p, eos, np.int32(0), kernel=sampling.kernel_key,
                                          greedy=greedy).compile().as_text()
 
-    def gathers(text):  # of weights: top_k's draw gathers the rows' logits either way (a TopK of its own)
+    def gathers(text):  # of weights: XLA:CPU gathers the rows' logits for top_k's draw either way (a TopK)
         return [line for line in text.splitlines() if " all-gather(" in line and "/top_k" not in line]
 
     assert len(gathers(decode_text(split))) >= cfg.num_layers and gathers(decode_text(whole)) == []

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.config import ConfigError, base_config
 from arlopti_jax.train import train
 from run_fixtures import make_config, overrides, step_metrics
+from two_processes import launch_two, logs_of
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = sorted((REPO / "launch").glob("*.sh"))
@@ -57,20 +57,9 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):
 
     two = tmp_path / "two"
     flags = [f"--config.{k}={v}" for k, v in {**values, "run_dir": str(two)}.items()]
-    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO),
-                                          os.environ.get("PYTHONPATH", "")])}
-    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--logs", str(tmp_path / "logs"),
-           "--", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=540)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+    proc = launch_two(flags, tmp_path / "logs", 540)
+    out = proc.stdout
+    logs = "\n".join(f"--- {name}\n{text[-3000:]}" for name, text in logs_of(tmp_path / "logs").items())
     assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
     assert "process 0 of 2: 4 local devices of 8" in out
 
@@ -97,21 +86,9 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):
 
 
 def test_collectives_on_two_processes(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO),
-                                          os.environ.get("PYTHONPATH", "")])}
-    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--module", "multiprocess_checks",
-           "--logs", str(tmp_path / "logs"), "--", f"--checkpoints={tmp_path / 'ck'}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    logs = {p.name: p.read_text() for p in sorted((tmp_path / "logs").glob("*.log"))}
-    assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"
+    proc = launch_two([f"--checkpoints={tmp_path / 'ck'}"], tmp_path / "logs", 180, module="multiprocess_checks")
+    logs = logs_of(tmp_path / "logs")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{logs}"
     for i in (0, 1):
         assert f"checks passed on process {i}" in logs[f"process_{i}.log"]
 

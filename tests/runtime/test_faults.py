@@ -21,6 +21,7 @@ from arlopti_jax.runtime import faults
 from arlopti_jax.rl.evaluation import trim_jsonl
 from arlopti_jax.train import train
 from run_fixtures import TIMING, cli, make_config, overrides
+from two_processes import launch_two
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = str(Path(__file__).resolve().parents[1] / "helpers")
@@ -156,16 +157,7 @@ TWO_PROCESSES = ("checkpoint_committed:1@0", "metrics:2@0", "generations:1@1", "
 
 def launch(values: dict, logs: Path, **env) -> subprocess.CompletedProcess:
     flags = [f"--config.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
-    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", "--logs", str(logs), "--", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env_with(PYTHON=sys.executable, XLA_FLAGS="", **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return launch_two(flags, logs, 600, **env)
 
 
 @pytest.mark.slow

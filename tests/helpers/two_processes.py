@@ -1,0 +1,34 @@
+"""``launch/local.sh 2 --devices 4``: a command on 2 CPU processes x 4 devices (gloo), as the
+multi-process tests run it, with its group killed if it outlives its time."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch_two(args: list[str], logs: Path, timeout: int, module: str | None = None,
+               **env: str) -> subprocess.CompletedProcess:
+    """Run ``train`` (or ``--module``, a module of tests/helpers) with ``args`` in both processes,
+    their logs in ``logs``. Returns the launcher's exit status and its combined output."""
+    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", *(["--module", module] if module else []),
+           "--logs", str(logs), "--", *args]
+    path = os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "",
+                                                "PYTHONPATH": path, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def logs_of(logs: Path) -> dict[str, str]:
+    """Each process's log, by file name."""
+    return {p.name: p.read_text() for p in sorted(logs.glob("*.log"))}
