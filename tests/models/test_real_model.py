@@ -73,6 +73,7 @@ def test_folder_describes_the_model_and_its_chat_format(folder, model):
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # transformers reads the GGUF file itself: about 35 s of its loading
 def test_tokenizer_and_logits_equal_transformers_reading_the_gguf_file(model, prompts):
     """transformers dequantizes the file and converts its tokenizer without our code."""
     import torch
@@ -138,6 +139,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_pass(model, sampled):
     np.testing.assert_allclose(batch["old_logprobs"][resp], np.asarray(lp)[resp], atol=1e-3)
 
 
+@pytest.mark.slow  # a 30-layer train step compiled, then an export; tests/models/test_model.py exports a tiny model
 def test_train_step_then_exported_folder_loads_in_transformers_with_our_logits(folder, model, prompts, sampled,
                                                                               tmp_path):
     import torch
