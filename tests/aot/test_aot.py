@@ -15,6 +15,16 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="the compile-only compilers
 pytest.importorskip("libtpu", reason="the compile-only compilers: pip install -e '.[aot]'")
 
 
+@pytest.fixture
+def compile_only():
+    """For a test that compiles for a target's devices itself: the persistent cache off, as
+    ``aot.check`` has it (a compile-only executable cannot be read back from it)."""
+    from arlopti_jax.aot import check
+
+    with check.no_persistent_cache():
+        yield
+
+
 def small_config(**overrides):
     """The embedded default's model with short sequences: every kind of program, quickly."""
     from arlopti_jax.embedded.default import get_config
@@ -229,6 +239,23 @@ def test_the_tpu_estimate_loses_its_second_per_concat_bitcast():
     assert hlo.tpu_estimate(-1.5, call.format(i=0)) is None and hlo.tpu_estimate(None, text) is None
 
 
+@pytest.mark.parametrize("before", [True, False])
+def test_no_persistent_cache_turns_it_off_inside_and_back_as_it_was(before):
+    import jax
+
+    from arlopti_jax.aot import check
+
+    was = jax.config.jax_enable_compilation_cache
+    try:
+        jax.config.update("jax_enable_compilation_cache", before)
+        with pytest.raises(RuntimeError), check.no_persistent_cache():
+            assert jax.config.jax_enable_compilation_cache is False
+            raise RuntimeError  # left by an error too
+        assert jax.config.jax_enable_compilation_cache is before
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
 def test_tpu_cycles_are_summed_by_the_operation_that_made_each_kernel():
     """Three kernels of two source operations (one from a backward pass) and one kernel without
     metadata: cycles summed per op_name prefix, largest first; lines without a cost are skipped."""
@@ -258,7 +285,7 @@ def test_a_growth_or_compaction_that_does_not_fit_is_told_to_decode_in_one_phase
     assert advice("rollout", True, "grow rows=64 slots=2496").startswith("the resident state dominates")
 
 
-def test_hlo_flops_of_an_h100_program_equal_the_products_it_computes():
+def test_hlo_flops_of_an_h100_program_equal_the_products_it_computes(compile_only):
     """XLA:GPU compile-only gives no cost analysis; ``Module.flops`` counts the matrix products of
     the optimized HLO. Forward and backward of cuDNN's masked attention and a projection, compiled
     for an H100, against the count by hand: attention 4 B N T S H forward and 10 B N T S H backward
@@ -314,7 +341,7 @@ backend_config={"known_trip_count":{"n":"5"}}
     assert hlo.Module(loop).flops() == 5 * 2 * 8 * 16 * 16
 
 
-def test_the_decode_kernel_compiles_for_an_h100_and_updates_the_cache_in_place():
+def test_the_decode_kernel_compiles_for_an_h100_and_updates_the_cache_in_place(compile_only):
     """The Pallas decode kernel at Qwen2.5-1.5B's heads, compiled for an H100 by XLA:GPU (Triton's
     lowering included): one Triton call per layer step, its cache buffers aliased to its outputs (no
     copy of the cache), and the splits combined by XLA. Its traffic (``hlo.Module.bytes``) is the
@@ -361,7 +388,7 @@ def test_one_layers_kernels_are_read_from_a_straight_line_step():
 
 
 @pytest.mark.parametrize("products", ["xla", "pallas"])
-def test_fused_decode_products_leave_one_xla_product_per_step_on_an_h100(products):
+def test_fused_decode_products_leave_one_xla_product_per_step_on_an_h100(products, compile_only):
     """``model.decode_matmul=pallas`` compiled for an H100 (Qwen2.5-0.5B's shape, 64 rows, a decode
     step's forward pass): each layer's four products are Pallas calls of their own, beside its
     attention, with the norms, residual adds and silu x up inside them; XLA keeps no product but the
