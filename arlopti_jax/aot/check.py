@@ -287,42 +287,42 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     started = time.perf_counter()
     c = config
     compile_only = target.name != "local"
-    try:
-        with no_persistent_cache() if compile_only else contextlib.nullcontext():
-            compiler.group = "rollout"
-            if "rollout" in groups:
-                run.sampler.programs(params, c.train.batch_prompts, longest, c.rollout.n, run.sampling(), compiler)
-            if eval_programs:
-                compiler.group = "eval"
-                cap = c.train.batch_prompts * c.rollout.n
-                run.sampler.programs(params, cap, longest, 1, run.sampling(greedy=True), compiler)
-                run.sampler.programs(params, max(1, cap // c.train.eval_n), longest, c.train.eval_n,
-                                     run.sampling(temperature=c.train.eval_temperature), compiler)
-            batch, order, plan = worst_case_batch(run)
-            step = run.train_step
-            shapes = step.accumulate_programs.keys() if all_shapes else [plan[0].token_src.shape]
-            arrays = {shape: micro_batch_arrays(run, batch, order, *shape) for shape in shapes}
-            row = step.row_sharding
-            spec = lambda arrays: {k: abstract(v.shape, v.dtype, row) for k, v in arrays.items()}
-            with shd.activate(mesh, step.rules):
-                compiler.group = "logprobs"
-                for shape, (_, logprob_host) in arrays.items():
-                    if "logprobs" in groups and (run.use_reference or c.rollout.recompute_old_logprobs):
-                        compiler(f"log-probs {_shape(shape)}", run.logprobs.jitted, params, spec(logprob_host))
-                    if "logprobs" in groups and run.weight_cfg.entropy_top_fraction:  # pi_old's entropies (80/20)
-                        compiler(f"log-probs+entropy {_shape(shape)}", run.logprobs.with_entropy_jitted, params,
-                                 spec(logprob_host))
-                compiler.group = "update"
-                if "update" in groups:
-                    trained, frozen = lora.trainable(run.model_cfg, params)  # the adapters and the base with LoRA
-                    acc = compiler("zeros", step._zeros, trained)
-                    for shape, (host, _) in arrays.items():
-                        compiler(f"accumulate {_shape(shape)}", step._accumulate, trained, frozen, acc, spec(host))
-                    compiler("apply (clip + AdamW)", step._apply, trained, opt_state, acc,
-                             abstract((), jnp.float32, shd.replicated(mesh)))
-    finally:
+    with contextlib.ExitStack() as cleanup:
+        if compile_only:
+            cleanup.enter_context(no_persistent_cache())
         if dump is not None:
-            shutil.rmtree(dump, ignore_errors=True)
+            cleanup.callback(shutil.rmtree, dump, ignore_errors=True)
+        compiler.group = "rollout"
+        if "rollout" in groups:
+            run.sampler.programs(params, c.train.batch_prompts, longest, c.rollout.n, run.sampling(), compiler)
+        if eval_programs:
+            compiler.group = "eval"
+            cap = c.train.batch_prompts * c.rollout.n
+            run.sampler.programs(params, cap, longest, 1, run.sampling(greedy=True), compiler)
+            run.sampler.programs(params, max(1, cap // c.train.eval_n), longest, c.train.eval_n,
+                                 run.sampling(temperature=c.train.eval_temperature), compiler)
+        batch, order, plan = worst_case_batch(run)
+        step = run.train_step
+        shapes = step.accumulate_programs.keys() if all_shapes else [plan[0].token_src.shape]
+        arrays = {shape: micro_batch_arrays(run, batch, order, *shape) for shape in shapes}
+        row = step.row_sharding
+        spec = lambda arrays: {k: abstract(v.shape, v.dtype, row) for k, v in arrays.items()}
+        with shd.activate(mesh, step.rules):
+            compiler.group = "logprobs"
+            for shape, (_, logprob_host) in arrays.items():
+                if "logprobs" in groups and (run.use_reference or c.rollout.recompute_old_logprobs):
+                    compiler(f"log-probs {_shape(shape)}", run.logprobs.jitted, params, spec(logprob_host))
+                if "logprobs" in groups and run.weight_cfg.entropy_top_fraction:  # pi_old's entropies (80/20)
+                    compiler(f"log-probs+entropy {_shape(shape)}", run.logprobs.with_entropy_jitted, params,
+                             spec(logprob_host))
+            compiler.group = "update"
+            if "update" in groups:
+                trained, frozen = lora.trainable(run.model_cfg, params)  # the adapters and the base with LoRA
+                acc = compiler("zeros", step._zeros, trained)
+                for shape, (host, _) in arrays.items():
+                    compiler(f"accumulate {_shape(shape)}", step._accumulate, trained, frozen, acc, spec(host))
+                compiler("apply (clip + AdamW)", step._apply, trained, opt_state, acc,
+                         abstract((), jnp.float32, shd.replicated(mesh)))
     return report(config, target, run, compiler.programs, resident, time.perf_counter() - started, source, plan)
 
 
