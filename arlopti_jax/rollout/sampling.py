@@ -168,10 +168,11 @@ def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Arr
     Returns (tokens [N] int32, log_softmax(logits / temperature)[token] [N] float32).
     ``temperature`` and ``top_p`` are traced scalars; ``greedy`` is a Python bool (it then chooses
     the program: argmax only, or the draw only) or a traced bool scalar (one program serves both:
-    the sampler's, so greedy evaluation and sampling compile once). The traced flag selects the
-    argmax's input elementwise (the logits, or the noisy scaled logits) inside the one reduction;
-    with top_k / top_p it selects between the argmax of the logits and the truncated draw (the
-    shift stays the top-k's maximum of the scaled logits, the same value). The tokens are the
+    the sampler's, so greedy evaluation and sampling compile once). On a GPU or TPU the traced flag
+    selects the argmax's input elementwise (the logits, or the noisy scaled logits) inside the one
+    reduction; with top_k / top_p it selects between the argmax of the logits and the truncated
+    draw (the shift stays the top-k's maximum of the scaled logits, the same value). On the CPU it
+    chooses between the two Python flags' programs with a conditional. The tokens are the
     Python flag's program's; in the sampler's programs the log-probs are too, bit for bit
     (tests/rollout/test_rollout.py; XLA may round ``logits / T`` differently in two separately
     compiled small programs, by an ulp of the largest scaled logit).
@@ -182,8 +183,22 @@ def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Arr
     Gumbel noise that maximum lies within [-2.8, 16.7] of the scaled logits' own (the noise of a
     23-bit uniform), so no exp overflows and the largest term is at least exp(-16.7).
     """
-    scaled = logits.astype(jnp.float32) / temperature
+    if not isinstance(greedy, bool) and shd.platform() == "cpu":
+        # XLA:CPU computes both operands of a select, so greedy evaluation would pay for the draw's
+        # noise (3-6x the argmax's time at [64, 49152]); a conditional runs only the greedy program
+        # when the flag is set (the other branch is the traced program itself: the same bits).
+        def draw(flag):
+            return lambda *a: _draw(*a, top_k=top_k, use_top_p=use_top_p, greedy=flag, forced=forced)
+        return jax.lax.cond(greedy, draw(True), draw(greedy), logits, key, step, rows, temperature, top_p)
+    return _draw(logits, key, step, rows, temperature, top_p, top_k=top_k, use_top_p=use_top_p, greedy=greedy,
+                 forced=forced)
+
+
+def _draw(logits: Array, key: Array, step, rows: Array, temperature: Array, top_p: Array, *,
+          top_k: int, use_top_p: bool, greedy: bool | Array, forced: Array | None) -> tuple[Array, Array]:
+    """``sample_tokens``'s draw, a traced ``greedy`` selecting elementwise."""
     traced = not isinstance(greedy, bool)
+    scaled = logits.astype(jnp.float32) / temperature
     if greedy is True:
         tokens, top = first_argmax(logits)
         shift = top.astype(jnp.float32) / temperature  # the maximum of ``scaled`` (division keeps the order)
