@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.random import threefry2x32_p
 
 from arlopti_jax.runtime import sharding as shd
@@ -121,6 +122,20 @@ def bucket(n: int, step: int) -> int:
     return min(pow2, -(-n // step) * step)
 
 
+def threefry2x32(k1: Array, k2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
+    """Threefry-2x32, 20 rounds (Salmon et al., SC 2011), as straight-line elementwise operations:
+    the bits of ``threefry2x32_p``, whose CPU lowering is a loop of 5 passes over the whole array,
+    each read and written back; this one XLA:CPU fuses into the pass that consumes it."""
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x1, x2 = x1 + ks[0], x2 + ks[1]
+    for i in range(5):
+        for r in ((13, 15, 26, 6), (17, 29, 16, 24))[i % 2]:
+            x1 = x1 + x2
+            x2 = x1 ^ ((x2 << np.uint32(r)) | (x2 >> np.uint32(32 - r)))
+        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x1, x2
+
+
 def gumbel_noise(key: Array, step, rows: Array, width: int) -> Array:
     """Gumbel(0, 1) noise [N, width] for response position ``step`` of the rows whose global
     indices are ``rows`` [N]: entry (r, v) hashes the counter (r, v) with threefry2x32 under
@@ -132,7 +147,7 @@ def gumbel_noise(key: Array, step, rows: Array, width: int) -> Array:
     shape = (rows.shape[0], width)
     hi = jnp.broadcast_to(rows.astype(jnp.uint32)[:, None], shape)
     lo = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
-    b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)
+    b1, b2 = (threefry2x32 if shd.platform() == "cpu" else threefry2x32_p.bind)(k1, k2, hi, lo)
     # 23 random bits -> a uniform in the open interval (0, 1), exactly representable
     u = (((b1 ^ b2) >> 9).astype(jnp.float32) + 0.5) * (2.0 ** -23)
     return -jnp.log(-jnp.log(u))

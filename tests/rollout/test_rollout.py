@@ -282,6 +282,34 @@ def test_invalid_settings_name_the_field(policy):
         _gen(policy, prompts=[[3, VOCAB]])
 
 
+def test_the_cpus_straight_line_threefry_gives_the_bits_of_jaxs_primitive(monkeypatch):
+    """``threefry2x32`` (the CPU's hash, straight-line operations) against JAX's ``threefry2x32_p``
+    on keys and counters across the uint32 range (0, 2^32 - 1 and their neighbours: the carries),
+    and ``gumbel_noise`` on the CPU's path against the GPU's (the primitive), bit for bit."""
+    from jax.extend.random import threefry2x32_p
+
+    from arlopti_jax.rollout.sampling import gumbel_noise, threefry2x32
+
+    rng = np.random.default_rng(3)
+    edges = np.array([0, 1, 2, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=np.uint64)
+    x1 = np.concatenate([np.repeat(edges, len(edges)), rng.integers(0, 2**32, 500, dtype=np.uint64)])
+    x2 = np.concatenate([np.tile(edges, len(edges)), rng.integers(0, 2**32, 500, dtype=np.uint64)])
+    x1, x2 = jnp.asarray(x1.astype(np.uint32)), jnp.asarray(x2.astype(np.uint32))
+    for k1, k2 in [(0, 0), (2**32 - 1, 2**32 - 1), (0x1BD11BDA, 7), *rng.integers(0, 2**32, (3, 2)).tolist()]:
+        k1, k2 = jnp.uint32(k1), jnp.uint32(k2)
+        want = jax.jit(threefry2x32_p.bind)(k1, k2, x1, x2)
+        got = jax.jit(threefry2x32)(k1, k2, x1, x2)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    rows = jnp.array([0, 5, 2**20], jnp.int32)
+    noise = {}
+    for platform in ("cpu", "gpu"):
+        monkeypatch.setattr(shd, "platform", lambda: platform)
+        noise[platform] = np.asarray(jax.jit(lambda k, t: gumbel_noise(k, t, rows, 300))(jax.random.key(9), 4))
+    np.testing.assert_array_equal(noise["cpu"], noise["gpu"])
+    assert np.isfinite(noise["cpu"]).all() and len(np.unique(noise["cpu"])) > 890
+
+
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 @pytest.mark.parametrize("mode", ["sampled", "greedy", "top_p"])
 def test_draws_and_logprobs_equal_a_numpy_transcription(platform, mode, monkeypatch):
