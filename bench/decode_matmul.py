@@ -87,6 +87,12 @@ def main(argv=None) -> int:
     records, failed = [], False
     lines = ["| product | rows | path | block_m:n:k:splits:warps:stages | us | GB/s | of HBM | vs XLA | rel. error |",
              "|---" * 9 + "|"]
+    print("\n".join(lines), flush=True)
+
+    def add(line):  # each row as it comes: a run cut by its time limit keeps what it measured
+        lines.append(line)
+        print(line, flush=True)
+
     for product in args.products.split(","):
         for rows in (int(v) for v in args.rows.split(",")):
             x = inputs(product, rows, jnp.bfloat16, 1, weights=args.iters)
@@ -94,8 +100,8 @@ def main(argv=None) -> int:
             moved = sum(a.size * a.dtype.itemsize for a in once) + rows * x["w"][0].shape[1] * 2  # and its output
             base = timed(dm.reference, x)
             frac = lambda s: f"{moved / s / bandwidth:.0%}" if bandwidth else "-"
-            lines.append(f"| {product} | {rows} | XLA | - | {base * 1e6:.1f} | {moved / base / 1e9:.0f} | "
-                         f"{frac(base)} | 1.00x | - |")
+            add(f"| {product} | {rows} | XLA | - | {base * 1e6:.1f} | {moved / base / 1e9:.0f} | {frac(base)} "
+                "| 1.00x | - |")
             records.append(dict(product=product, rows=rows, impl="xla", seconds=base, bytes=moved))
             for setting in configs if args.sweep or args.quick else configs[:1]:
                 fn = kernel(rows, *x["w"][0].shape, *setting)
@@ -107,14 +113,13 @@ def main(argv=None) -> int:
                     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
                     seconds = timed(fn, x)
                 except Exception as err:  # a setting Triton rejects (shared memory...): its row says so
-                    lines.append(f"| {product} | {rows} | Pallas | {label} | {common.failed_row(err, 80)} | | | | |")
+                    add(f"| {product} | {rows} | Pallas | {label} | {common.failed_row(err, 80)} | | | | |")
                     continue
                 failed |= not rel < 1e-2
-                lines.append(f"| {product} | {rows} | Pallas | {label} | {seconds * 1e6:.1f} | "
-                             f"{moved / seconds / 1e9:.0f} | {frac(seconds)} | {base / seconds:.2f}x | {rel:.1e} |")
+                add(f"| {product} | {rows} | Pallas | {label} | {seconds * 1e6:.1f} | "
+                    f"{moved / seconds / 1e9:.0f} | {frac(seconds)} | {base / seconds:.2f}x | {rel:.1e} |")
                 records.append(dict(product=product, rows=rows, impl="pallas", setting=label, seconds=seconds,
                                     bytes=moved, rel_error=rel))
-            print(lines[-1], flush=True)
     print("\n" + "\n".join(lines))
     common.write_records(args.json, device, records)
     if failed:

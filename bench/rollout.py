@@ -202,8 +202,9 @@ def main(argv=None):
               f"({real / (args.batch * args.gen_len):.0%}); lengths median {int(np.median(roll.lengths))}, "
               f"max {roll.lengths.max()}, {roll.truncated.sum()} truncated")
         batch = ours.sampler.pad_prompts(prompts, configs["length-aware"])
-        done = ours.sampler.decode(ours.params, ours.sampler.start(ours.params, batch, args.group, ours.key,
-                                                                    configs["length-aware"], stop_at),
+        params = ours.sampler.sampling_params(ours.params)  # generate's weights: its compiled programs serve
+        done = ours.sampler.decode(params, ours.sampler.start(params, batch, args.group, ours.key,
+                                                              configs["length-aware"], stop_at),
                                    ours.key, configs["length-aware"])
         print("length-aware loops (rows per device, cache slots, step reached): " +
               " ".join(f"({r}, {s}, {t})" for r, s, t in done.loops))

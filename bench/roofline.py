@@ -259,7 +259,7 @@ def decode_figures(args, cfg, target, mesh, sampler, params, sampling, rows: int
         if target.platform == "gpu" and cost.get("bytes accessed"):
             line += (f" [cost analysis: {cost['bytes accessed'] / 1e9:.2f} GB, "
                      f"{cost.get('flops', 0) / 1e9:.0f} GFLOP]")
-        if "optimal_seconds" in cost:
+        if "optimal_seconds" in cost and target.platform == "tpu":  # a GPU's (-56000 ms on an H200) is no estimate
             roof = minimum / target.hbm_bytes_per_s
             estimate = hlo.tpu_estimate(cost["optimal_seconds"], text)
             record.update(tpu_estimate_ms=estimate * 1e3 if estimate else None, roofline_ms=roof * 1e3)
