@@ -74,7 +74,7 @@ def parse_args():
                         "name=value,...; every set is compiled (and timed) on its own, e.g. "
                         "none/xla_gpu_enable_pdl=true")
     d.add_argument("--top-p", default="1.0",
-                   help="the sampler's top_p, comma-separated to compile each (< 1: a sort over the vocabulary)")
+                   help="the sampler's top_p, comma-separated to compile each (< 1: the nucleus, found without a sort)")
     d.add_argument("--lora-rank", type=int, default=0,
                    help="the step with LoRA adapters of this rank on every projection, applied unmerged as the "
                         "sampler applies them (0: the plain model, which merged adapters give)")

@@ -153,6 +153,11 @@ def gumbel_noise(key: Array, step, rows: Array, width: int) -> Array:
     return -jnp.log(-jnp.log(u))
 
 
+def _logsumexp(x: Array) -> Array:
+    top = jnp.max(x, axis=-1)
+    return top + jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
+
+
 def first_argmax(x: Array) -> tuple[Array, Array]:
     """(argmax over the last axis (the first maximum), int32; the maximum). The same index as
     ``jnp.argmax``. On a GPU or TPU one value-and-index reduction, so ``x`` is read once and an
@@ -173,6 +178,38 @@ def first_argmax(x: Array) -> tuple[Array, Array]:
     return first, top
 
 
+def _ordered(x: Array) -> Array:
+    """uint32 keys in the order of float32 ``x`` (larger float, larger key)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def nucleus_floor(scaled: Array, lse: Array, top_p: Array, digit_bits: int = 0) -> Array:
+    """The nucleus of each row of ``scaled`` [N, V] (log-probs up to ``lse`` [N]) without sorting:
+    the uint32 key (``_ordered``) T of its least likely member, so that the nucleus is the tokens
+    whose key is >= T. A token is in the nucleus when the tokens strictly more likely than it hold
+    less than ``top_p`` of the mass; that set is {key >= T} for the largest T whose mass
+    g(T) = sum(p[key >= T]) reaches top_p (tied tokens are all in or all out). T is found digit by
+    digit from the top, ``digit_bits`` bits a pass: each pass reads the row once and sums its mass
+    above each of the next digit's 2^digit_bits - 1 settings in one reduction, and g never grows
+    with T (sums of nested sets in one order round monotonically), so the count of settings that
+    reach top_p is the digit. ``digit_bits`` 0: 1 on the CPU, whose time is the comparisons (32
+    passes of one: 40 ms at [64, 49152], against 343 ms for 8 passes of 15 and 1,019 ms for the
+    sort), 4 elsewhere, where it is the passes' reads (8 instead of 32). On an H200 the sort
+    (CUB's segmented radix sort) took 1.18 ms of a 1.5B decode step at 64 rows
+    (docs/measurements/gpu_2026-11-28, docs/measurements/cpu_2026-11-28_top_p)."""
+    digit_bits = digit_bits or (1 if shd.platform() == "cpu" else 4)
+    key = _ordered(scaled)
+    p = jnp.exp(scaled - lse[:, None])
+    floor = jnp.zeros(scaled.shape[:1], jnp.uint32)
+    digits = jnp.arange(1, 1 << digit_bits, dtype=jnp.uint32)
+    for shift in range(32 - digit_bits, -1, -digit_bits):
+        settings = floor[:, None] | (digits << shift)[None, :]  # [N, 2^b - 1]
+        mass = jnp.sum(jnp.where(key[:, :, None] >= settings[:, None, :], p[:, :, None], 0.0), axis=1)
+        floor = floor | (jnp.sum(mass >= top_p, axis=-1).astype(jnp.uint32) << shift)
+    return floor
+
+
 def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Array, top_p: Array, *,
                   top_k: int, use_top_p: bool, greedy: bool | Array,
                   forced: Array | None = None) -> tuple[Array, Array]:
@@ -185,8 +222,8 @@ def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Arr
     the program: argmax only, or the draw only) or a traced bool scalar (one program serves both:
     the sampler's, so greedy evaluation and sampling compile once). On a GPU or TPU the traced flag
     selects the argmax's input elementwise (the logits, or the noisy scaled logits) inside the one
-    reduction; with top_k / top_p it selects between the argmax of the logits and the truncated
-    draw (the shift stays the top-k's maximum of the scaled logits, the same value). On the CPU it
+    reduction; with top_k it selects between the argmax of the logits and the truncated draw (the
+    shift stays the top-k's maximum of the scaled logits, the same value). On the CPU it
     chooses between the two Python flags' programs with a conditional. The tokens are the
     Python flag's program's; in the sampler's programs the log-probs are too, bit for bit
     (tests/rollout/test_rollout.py; XLA may round ``logits / T`` differently in two separately
@@ -197,6 +234,11 @@ def sample_tokens(logits: Array, key: Array, step, rows: Array, temperature: Arr
     in a decode step at 1.5B these [N, 151936] float32 passes were 4% of the bytes moved. With
     Gumbel noise that maximum lies within [-2.8, 16.7] of the scaled logits' own (the noise of a
     23-bit uniform), so no exp overflows and the largest term is at least exp(-16.7).
+
+    top_k (with or without top_p): ``lax.top_k``, the draw over the k sorted values, the noise
+    indexed by rank; top_p cuts the sorted values where the mass before them reaches it. top_p
+    alone: the nucleus is found without a sort (``nucleus_floor``), and the draw is the plain one
+    with the tokens outside it masked out, the noise indexed by token id.
     """
     if not isinstance(greedy, bool) and shd.platform() == "cpu":
         # XLA:CPU computes both operands of a select, so greedy evaluation would pay for the draw's
@@ -214,18 +256,23 @@ def _draw(logits: Array, key: Array, step, rows: Array, temperature: Array, top_
     """``sample_tokens``'s draw, a traced ``greedy`` selecting elementwise."""
     traced = not isinstance(greedy, bool)
     scaled = logits.astype(jnp.float32) / temperature
+    lse = None
     if greedy is True:
         tokens, top = first_argmax(logits)
         shift = top.astype(jnp.float32) / temperature  # the maximum of ``scaled`` (division keeps the order)
-    elif top_k or use_top_p:
-        k = top_k if top_k else scaled.shape[-1]
-        vals, idx = jax.lax.top_k(scaled, k)  # sorted, most likely first
+    elif use_top_p and not top_k:  # the nucleus by its floor, no sort; noise by token id, as without top_p
+        lse = _logsumexp(scaled)
+        kept = _ordered(scaled) >= nucleus_floor(scaled, lse, top_p)[:, None]
+        noisy = jnp.where(kept, scaled + gumbel_noise(key, step, rows, scaled.shape[-1]), -jnp.inf)
+        tokens, _ = first_argmax(jnp.where(greedy, logits.astype(jnp.float32), noisy) if traced else noisy)
+    elif top_k:
+        vals, idx = jax.lax.top_k(scaled, top_k)  # sorted, most likely first
         shift = vals[:, 0]
         if use_top_p:
             probs = jax.nn.softmax(vals, axis=-1)
             mass_before = jnp.cumsum(probs, axis=-1) - probs
             vals = jnp.where(mass_before < top_p, vals, -jnp.inf)  # the first is always kept
-        choice, _ = first_argmax(vals + gumbel_noise(key, step, rows, k))
+        choice, _ = first_argmax(vals + gumbel_noise(key, step, rows, top_k))
         tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
         if traced:  # the greedy program's token where the flag is set; the shift is the same maximum
             tokens = jnp.where(greedy, first_argmax(logits)[0], tokens)
@@ -238,6 +285,7 @@ def _draw(logits: Array, key: Array, step, rows: Array, temperature: Array, top_
     tokens = tokens.astype(jnp.int32)
     if forced is not None:
         tokens = jnp.where(forced >= 0, forced, tokens)
-    lse = shift + jnp.log(jnp.sum(jnp.exp(scaled - shift[:, None]), axis=-1))
+    if lse is None:
+        lse = shift + jnp.log(jnp.sum(jnp.exp(scaled - shift[:, None]), axis=-1))
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
     return tokens, picked - lse

@@ -336,19 +336,52 @@ def test_draws_and_logprobs_equal_a_numpy_transcription(platform, mode, monkeypa
         expected = np.argmax(logits, axis=1)
     elif mode == "sampled":
         expected = np.argmax(scaled.astype(np.float32) + np.asarray(gumbel_noise(key, t, rows, 50)), axis=1)
-    else:  # the nucleus: the most likely tokens whose mass before them is under top_p
-        order = np.argsort(-scaled, axis=1, kind="stable")
-        expected = []
-        for r in range(len(logits)):
-            p = np.exp(log_softmax[r, order[r]])
-            keep = (np.cumsum(p) - p) < 0.9
-            assert tokens[r] in order[r][keep]
-            expected.append(int(tokens[r]))
-        expected = np.array(expected)
+    else:  # the nucleus (the tokens whose more likely tokens hold under top_p of the mass), noise by token id
+        probs = np.exp(log_softmax)
+        before = (probs[:, None, :] * (scaled[:, None, :] > scaled[:, :, None])).sum(-1)  # [row, token]
+        noisy = np.where(before < 0.9, scaled.astype(np.float32) + np.asarray(gumbel_noise(key, t, rows, 50)), -np.inf)
+        expected = np.argmax(noisy, axis=1)
     np.testing.assert_array_equal(np.asarray(tokens), expected)
     if mode == "greedy":
         assert tokens[0] == 7
     np.testing.assert_allclose(np.asarray(lp), log_softmax[np.arange(6), expected], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("digit_bits", [4, 2, 1])
+def test_the_nucleus_floor_keeps_the_tokens_numpy_keeps(digit_bits):
+    """``nucleus_floor`` (no sort) against numpy in float64: a token is kept when the tokens strictly
+    more likely than it hold less than top_p of the mass. Rows of every kind (flat, peaked, ties
+    at the boundary, masked-out tokens, negative and positive logits, one dominant token, neighbouring
+    floats) at top_p
+    from 1e-6 to 0.999; a row whose boundary sits within float32 rounding of top_p is left out."""
+    from arlopti_jax.rollout.sampling import _ordered, nucleus_floor
+
+    rng = np.random.default_rng(digit_bits)
+    rows = [rng.normal(size=300) * scale for scale in (0.1, 1.0, 3.0, 10.0)]
+    rows.append(np.repeat(rng.normal(size=30), 10))  # ties of 10 everywhere
+    rows.append(np.where(rng.random(300) < 0.9, -np.inf, rng.normal(size=300)))  # most masked out
+    rows.append(np.concatenate([[25.0], rng.normal(size=299)]))  # one token holds nearly all
+    rows.append(np.full(300, -7.5))  # flat: one tie of all
+    rows.append(rng.permutation((np.float32(2.0).view(np.int32) + np.arange(300, dtype=np.int32)).view(np.float32)))
+    # ^ 300 neighbouring floats, one ulp apart: the floor must be exact to its last bit
+    logits = np.stack(rows).astype(np.float32)
+    lse = jax.nn.logsumexp(jnp.asarray(logits), axis=-1)
+    x = logits.astype(np.float64)
+    probs = np.exp(x - x.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    before = (probs[:, None, :] * (logits[:, None, :] > logits[:, :, None])).sum(-1)
+    checked = 0
+    for top_p in (1e-6, 0.1, 0.5, 0.9, 0.999):
+        floor = nucleus_floor(jnp.asarray(logits), lse, jnp.float32(top_p), digit_bits=digit_bits)
+        kept = np.asarray(_ordered(jnp.asarray(logits)) >= floor[:, None])
+        want = before < top_p
+        clear = (np.abs(before - top_p) > 1e-4 * np.maximum(before, top_p)).all(axis=1)  # float32 sums' error
+        np.testing.assert_array_equal(kept[clear], want[clear])
+        assert kept.any(axis=1).all()  # never empty: the most likely tokens are always kept
+        checked += clear.sum()
+    assert checked >= 40  # of 45 (row, top_p) cases
+    flat = nucleus_floor(jnp.asarray(logits[-2:-1]), lse[-2:-1], jnp.float32(0.5), digit_bits=digit_bits)
+    assert (np.asarray(_ordered(jnp.asarray(logits[-2:-1])) >= flat[:, None])).all()  # a tie is all in
 
 
 def test_one_row_count_for_the_padded_batch_its_compiled_programs_and_a_process_share():
