@@ -153,11 +153,6 @@ def gumbel_noise(key: Array, step, rows: Array, width: int) -> Array:
     return -jnp.log(-jnp.log(u))
 
 
-def _logsumexp(x: Array) -> Array:
-    top = jnp.max(x, axis=-1)
-    return top + jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
-
-
 def first_argmax(x: Array) -> tuple[Array, Array]:
     """(argmax over the last axis (the first maximum), int32; the maximum). The same index as
     ``jnp.argmax``. On a GPU or TPU one value-and-index reduction, so ``x`` is read once and an
@@ -261,7 +256,7 @@ def _draw(logits: Array, key: Array, step, rows: Array, temperature: Array, top_
         tokens, top = first_argmax(logits)
         shift = top.astype(jnp.float32) / temperature  # the maximum of ``scaled`` (division keeps the order)
     elif use_top_p and not top_k:  # the nucleus by its floor, no sort; noise by token id, as without top_p
-        lse = _logsumexp(scaled)
+        lse = jax.nn.logsumexp(scaled, axis=-1)
         kept = _ordered(scaled) >= nucleus_floor(scaled, lse, top_p)[:, None]
         noisy = jnp.where(kept, scaled + gumbel_noise(key, step, rows, scaled.shape[-1]), -jnp.inf)
         tokens, _ = first_argmax(jnp.where(greedy, logits.astype(jnp.float32), noisy) if traced else noisy)

@@ -11,7 +11,7 @@ import numpy as np
 
 jax.config.update("jax_platforms", "cpu")
 
-from arlopti_jax.rollout.sampling import _logsumexp, _ordered, nucleus_floor  # noqa: E402
+from arlopti_jax.rollout.sampling import _ordered, nucleus_floor  # noqa: E402
 
 
 def floor_minor(scaled, lse, top_p, digit_bits):
@@ -28,7 +28,7 @@ def floor_minor(scaled, lse, top_p, digit_bits):
 
 V, N = 49152, 64
 logits = jax.random.normal(jax.random.key(0), (N, V)) * 3 / 0.7
-lse, P = _logsumexp(logits), jnp.float32(0.9)
+lse, P = jax.nn.logsumexp(logits, axis=-1), jnp.float32(0.9)
 progs = {f"{form}{bits}": jax.jit(lambda x, lg, f=fn, b=bits: f(x, lg, P, b))
          for form, fn in (("mid", nucleus_floor), ("minor", floor_minor)) for bits in (4, 2, 1)}
 ref = np.asarray(progs["mid4"](logits, lse))
