@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 def launch_two(args: list[str], logs: Path, timeout: int, module: str | None = None,
                **env: str) -> subprocess.CompletedProcess:
     """Run ``train`` (or ``--module``, a module of tests/helpers) with ``args`` in both processes,
-    their logs in ``logs``. Returns the launcher's exit status and its combined output."""
+    their logs in ``logs``. Returns the launcher's exit status and its combined output; past
+    ``timeout`` seconds the processes are killed (status -9) and the output ends with their logs'
+    last lines."""
     cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", *(["--module", module] if module else []),
            "--logs", str(logs), "--", *args]
     path = os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -22,6 +24,10 @@ def launch_two(args: list[str], logs: Path, timeout: int, module: str | None = N
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the caller's assertion shows where each process was
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0] + f"\nlaunch_two: killed after {timeout} s; the processes' logs end:\n" + "\n".join(
+            f"--- {name}\n{text[-3000:]}" for name, text in logs_of(logs).items())
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

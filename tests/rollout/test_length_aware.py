@@ -190,6 +190,7 @@ def test_phase_ends_and_invalid_stop_at(policy):
 
 
 @pytest.mark.slow  # two processes: minutes on 2 cores; CI runs the slow tests
+@pytest.mark.xdist_group("two_processes")  # never beside another two-process test: 4 processes on 2 cores
 def test_two_processes_equal_one(tmp_path):
     """2 processes x 4 devices (launch/local.sh): each samples its share of the prompts; the
     length-aware and dense samplers agree there, and the rows equal one process's 8 devices."""

@@ -43,6 +43,7 @@ def eval_records(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.mark.slow  # two processes: minutes on 2 cores; CI runs the slow tests
+@pytest.mark.xdist_group("two_processes")  # never beside another two-process test: 4 processes on 2 cores
 def test_two_processes_reproduce_one_process(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "one", **{
         "data.test_files": str(start_point / "data" / "test_2ppl.parquet"),
@@ -57,7 +58,7 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):
 
     two = tmp_path / "two"
     flags = [f"--config.{k}={v}" for k, v in {**values, "run_dir": str(two)}.items()]
-    proc = launch_two(flags, tmp_path / "logs", 540)
+    proc = launch_two(flags, tmp_path / "logs", 900)  # 3 min alone, 9+ beside other tests
     out = proc.stdout
     logs = "\n".join(f"--- {name}\n{text[-3000:]}" for name, text in logs_of(tmp_path / "logs").items())
     assert proc.returncode == 0, f"{out[-3000:]}\n{logs}"

@@ -161,6 +161,7 @@ def launch(values: dict, logs: Path, **env) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_processes")  # never beside another two-process test: 4 processes on 2 cores
 def test_two_processes_killed_at_each_write_resume_exactly(start_point, tmp_path):
     values = run_values(start_point, tmp_path / "run", **{"mesh.fsdp": 8, "distributed.heartbeat_timeout_s": 10})
     reference = launch({**values, "run_dir": str(tmp_path / "reference")}, tmp_path / "logs_reference")
