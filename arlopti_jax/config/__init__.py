@@ -177,7 +177,8 @@ FIELD_DOCS = {
     "compile_cache_dir": "JAX's persistent compilation cache: compiled programs are saved here and reused by later "
                          "runs, resumes and evaluations (per user: they depend on the model, not the run; a folder "
                          "all hosts share lets every host reuse them, e.g. `gs://bucket/jax_cache` with gcsfs "
-                         "installed); `\"\"` = off",
+                         "installed); beyond 4 GiB the least recently used programs are deleted when a command starts; "
+                         "`\"\"` = off",
     "model.path": "local Hugging Face folder (config.json, tokenizer, safetensors, optional "
                   "generation_config.json), or a Hub id `ORG/NAME[@REVISION]` read through the Hugging Face "
                   "cache (`HF_HOME`, `HF_HUB_OFFLINE`); `\"\"` = the embedded start point",

@@ -109,7 +109,7 @@ def test_a_remote_folder_is_not_a_local_one(tmp_path, monkeypatch):
 
 
 def test_the_cache_settings_are_made_in_one_place(tmp_path):
-    """``compile_cache.use`` makes the three settings (folder, every program cached, the size bound);
+    """``compile_cache.use`` makes the three settings (folder, every program cached, JAX's size bound off);
     ``enable`` (local and remote) and the sweep's own folder go through it, and no other module sets them."""
     import jax
 
@@ -119,13 +119,13 @@ def test_the_cache_settings_are_made_in_one_place(tmp_path):
     before = {k: getattr(jax.config, k) for k in keys}
     try:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-        jax.config.update("jax_compilation_cache_max_size", -1)
+        jax.config.update("jax_compilation_cache_max_size", 1 << 20)
         assert compile_cache.use(tmp_path / "a") == tmp_path / "a"
-        assert {k: getattr(jax.config, k) for k in keys} == dict(zip(keys, (str(tmp_path / "a"), 0.0, 4 << 30)))
+        assert {k: getattr(jax.config, k) for k in keys} == dict(zip(keys, (str(tmp_path / "a"), 0.0, -1)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         folder = compile_cache.enable(str(tmp_path / "b"))
         assert folder.parent == tmp_path / "b"
-        assert {k: getattr(jax.config, k) for k in keys} == dict(zip(keys, (str(folder), 0.0, 4 << 30)))
+        assert {k: getattr(jax.config, k) for k in keys} == dict(zip(keys, (str(folder), 0.0, -1)))
     finally:
         for k, v in before.items():
             jax.config.update(k, v)
@@ -133,3 +133,33 @@ def test_the_cache_settings_are_made_in_one_place(tmp_path):
     setters = [str(p.relative_to(package)) for p in package.rglob("*.py")
                if re.search(r"config\.update\(\s*\"jax_(compilation_cache_dir|persistent_cache_min)", p.read_text())]
     assert setters == ["runtime/compile_cache.py"]
+
+
+def test_trim_deletes_the_least_recently_used_entries_beyond_the_bound(tmp_path, monkeypatch):
+    """Under the bound nothing goes; over it, the entries used longest ago go first, down to three
+    quarters of the bound; ``enable`` trims its folder with ``MAX_BYTES``."""
+    import time
+
+    import jax
+
+    from arlopti_jax.runtime import compile_cache
+
+    now = time.time()
+    for name, age in {"a-cache": 50, "b-cache": 10, "c-cache": 40, "d-cache": 20, "e-cache": 30}.items():
+        (tmp_path / name).write_bytes(b"x" * 100)
+        os.utime(tmp_path / name, (now - age, now - age))
+    (tmp_path / ".lockfile").write_bytes(b"")
+    assert compile_cache.trim(tmp_path, max_bytes=500) == 0
+    assert compile_cache.trim(tmp_path, max_bytes=400) == 2  # 500 bytes > 400: down to 300, oldest first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lockfile", "b-cache", "d-cache", "e-cache"]
+
+    host = tmp_path / "run" / compile_cache._host_tag()
+    host.mkdir(parents=True)
+    (host / "old-cache").write_bytes(b"x" * 64)
+    monkeypatch.setattr(compile_cache, "MAX_BYTES", 32)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        assert compile_cache.enable(str(tmp_path / "run")) == host
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert not (host / "old-cache").exists()
