@@ -221,7 +221,7 @@ def assert_gradients_match(got, want):
     for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = np.abs(w).max()
         assert scale > 0
-        assert np.abs(g - w).max() <= 1e-5 * scale, jax.tree_util.keystr(path[0])
+        assert np.abs(g - w).max() <= 2e-5 * scale, jax.tree_util.keystr(path[0])  # float32 sums, reordered
 
 
 @functools.cache

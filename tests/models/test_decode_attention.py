@@ -2,6 +2,7 @@
 against the plain-jnp reference and against the decoder's own XLA attention; and where the decoder
 uses it."""
 
+import functools
 import math
 
 import jax
@@ -115,7 +116,8 @@ def test_the_fused_qkv_layout_gives_the_same_model():
     layers = lambda p, fuse: tuple({**layer, "attn": decode.fuse_qkv(cfg, layer["attn"]) if fuse else layer["attn"]}
                                    for layer in (jax.tree.map(lambda w: w[i], p["layers"]) for i in range(2)))
 
-    def run(fuse):
+    @functools.partial(jax.jit, static_argnums=1)  # one program each way, not hundreds of eager ones
+    def run(params, fuse):
         from arlopti_jax.rollout import programs
 
         p = {**params, "layers": layers(params, fuse)}
@@ -125,5 +127,5 @@ def test_the_fused_qkv_layout_gives_the_same_model():
                                     4, True)
         return hidden, step
 
-    for a, b in zip(run(False), run(True)):
+    for a, b in zip(run(params, False), run(params, True)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -101,6 +101,9 @@ def test_tokenizer_and_logits_equal_transformers_reading_the_gguf_file(model, pr
     np.testing.assert_array_equal(got[real].argmax(-1), want[real].argmax(-1))
 
 
+# slow: 40-50 s of a 30-layer model sampled on 2 cores (tests/rollout/test_rollout.py checks the same
+# two things on a tiny model in the default suite)
+@pytest.mark.slow
 def test_greedy_sampler_equals_transformers_generate(folder, model, prompts):
     import torch
     import transformers
@@ -129,6 +132,7 @@ def sampled(model, prompts):
                                        SamplingConfig(max_response_len=R, temperature=0.7, eos_ids=(EOS,), pad_id=EOS))
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_a_teacher_forced_pass(model, sampled):
     cfg, params, _, _ = model
     batch = sampled.train_batch()
