@@ -148,6 +148,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.export_at_end = True
     c.train.diagnostics_every = 0  # gradient norm per pi_old quartile every this many steps; 0 = off
     c.train.diagnostics_rows = 0  # rows it is measured on: 0 = the first mini-batch, -1 = the whole batch
+    c.train.isolation_experiment = True  # with the diagnostics: the isolation experiment at the first step
 
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = ""  # "" = built-in router by data_source; or "module:function"
@@ -315,10 +316,14 @@ FIELD_DOCS = {
     "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",
     "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
                                "this many steps, and at the first step the isolation experiment "
-                               "(`isolation/{low,high}_q{1..4}`); 0 = off",
+                               "(`isolation/{low,high}_q{1..4}`, unless `isolation_experiment` is off); 0 = off",
     "train.diagnostics_rows": "the rows of the rollout batch those gradient norms are measured on: 0 = the step's "
                               "first mini-batch (`train.mini_batch` rows), -1 = the whole batch (comparable across "
                               "mini-batch sizes: `reproduce --matched` uses it), N = the first N rows",
+    "train.isolation_experiment": "with `diagnostics_every`, run the isolation experiment once, before the first "
+                                  "update: one optimizer step on the lowest and one on the highest pi_old quartile's "
+                                  "tokens from a copy of the policy (two extra steps and three log-prob passes; "
+                                  "training does not change)",
     "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
                  "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
     "reward.workers": "parallel scoring processes; 0 = the built-in rewards score in the trainer's process (K&K "

@@ -186,7 +186,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
                 rows = config.train.get("diagnostics_rows", 0)  # 0: the first mini-batch; -1: every row
                 rows = config.train.mini_batch if rows == 0 else len(batch["input_ids"]) if rows < 0 else rows
                 diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes, rows)
-                if step == 0:  # and once, the isolation experiment on the first batch
+                if step == 0 and config.train.isolation_experiment:  # and once, on the first batch
                     diagnostics.update(isolation_metrics(run, params, batch, passes))
         # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
         mark = len(train_step.processed)

@@ -75,6 +75,11 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
         assert {"eval/test_2ppl/maj@1", "eval/test_2ppl/maj@4", "eval/avg/pass@4"} <= set(r)
     assert "pass@4" in out and "temperature 0.9" in out  # the end-of-run summary
 
+    # C: without the isolation experiment, every other value of every step is the same
+    train(make_config({**values, "run_dir": str(tmp_path / "c"), "train.isolation_experiment": False}))
+    without = step_metrics(tmp_path / "c")
+    assert without == {s: {k: v for k, v in m.items() if k not in isolation} for s, m in want.items()}
+
     # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
     values["run_dir"] = str(tmp_path / "b")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "helpers"),
