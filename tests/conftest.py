@@ -4,11 +4,13 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Tests compile thousands of small programs and run each a few times: XLA:CPU's cheapest code
 # generation cut a cold default suite's backend compile from 1,783 s to 652 s (2026-11-29).
+# The 8 fake devices are 8 threads that meet at every collective, and XLA ends the process when one
+# is 40 s late: on 2 busy cores that aborted an end-to-end test twice (2026-11-29), so allow 10 minutes.
 # Inherited by the processes tests launch; a flag already in XLA_FLAGS is left as set.
-FAST_COMPILE = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true",
-                "--xla_cpu_use_fusion_emitters": "false"}
+TEST_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true",
+              "--xla_cpu_use_fusion_emitters": "false", "--xla_cpu_collective_call_terminate_timeout_seconds": "600"}
 os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"]] + [
-    f"{flag}={value}" for flag, value in FAST_COMPILE.items() if flag not in os.environ["XLA_FLAGS"]])
+    f"{flag}={value}" for flag, value in TEST_FLAGS.items() if flag not in os.environ["XLA_FLAGS"]])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch (the parity references) on one thread: its OpenMP threads spin-wait, and beside the other
