@@ -24,6 +24,7 @@ from arlopti_jax.store.checkpoint import Checkpointer
 LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "model.lora_targets": "q,v,gate", "optim.lr": 1e-3}
 
 
+@pytest.mark.slow  # end to end, about a minute on 2 cores; CI runs the slow tests
 def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path, capsys, caplog):
     base_dir = tmp_path / "base"  # a copy: changed below, to see a checkpoint refuse another base
     shutil.copytree(start_point / "model", base_dir)

@@ -21,6 +21,7 @@ from run_fixtures import (TIMING, cli, kill_after_checkpoint, make_config, overr
                           wait_for)
 
 
+@pytest.mark.slow  # end to end, about a minute on 2 cores; CI runs the slow tests
 def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
     # A: uninterrupted, in this process (8 fake devices: the mesh is fsdp=8)
     summary = train(make_config(overrides(start_point, tmp_path / "a")))
