@@ -44,7 +44,7 @@ def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
     assert steps(tmp_path / "b") == steps(tmp_path / "a")
 
 
-@pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
+@pytest.mark.slow  # three runs, about 2 minutes on 2 cores; CI runs the slow tests
 def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, tmp_path, capsys):
     """filter_groups + diagnostics_every=1 + pass@k evaluation: the metrics are logged, and a
     kill + resume=auto reproduces the uninterrupted run."""
