@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 # Eight fake CPU devices so sharding tests exercise real meshes. Must precede the jax import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -6,11 +8,24 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # generation cut a cold default suite's backend compile from 1,783 s to 652 s (2026-11-29).
 # The 8 fake devices are 8 threads that meet at every collective, and XLA ends the process when one
 # is 40 s late: on 2 busy cores that aborted an end-to-end test twice (2026-11-29), so allow 10 minutes.
-# Inherited by the processes tests launch; a flag already in XLA_FLAGS is left as set.
+# Inherited by the processes tests launch (xdist's workers too); a flag already in XLA_FLAGS is left
+# as set. XLA ends the process on a flag it does not know, and flags come and go between jaxlib
+# releases (jaxlib 0.11 dropped the fusion-emitter one), so a child process tries them first.
 TEST_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true",
               "--xla_cpu_use_fusion_emitters": "false", "--xla_cpu_collective_call_terminate_timeout_seconds": "600"}
-os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"]] + [
-    f"{flag}={value}" for flag, value in TEST_FLAGS.items() if flag not in os.environ["XLA_FLAGS"]])
+
+
+def _known_to_xla(flags: list[str]) -> list[str]:
+    def starts(some: list[str]) -> bool:
+        env = {**os.environ, "XLA_FLAGS": " ".join(some), "JAX_PLATFORMS": "cpu"}
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                              capture_output=True).returncode == 0
+
+    return flags if not flags or starts(flags) else [flag for flag in flags if starts([flag])]
+
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"]] + _known_to_xla([
+    f"{flag}={value}" for flag, value in TEST_FLAGS.items() if flag not in os.environ["XLA_FLAGS"]]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch (the parity references) on one thread: its OpenMP threads spin-wait, and beside the other

@@ -4,6 +4,8 @@ device) gives the dense sampler's tokens and log-probs, greedy and sampled, on o
 real ones."""
 
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -310,8 +312,13 @@ def test_whole_sampler_weights_draw_the_same_and_gather_nothing_per_step(folder,
                                          top_p, eos, np.int32(0), kernel=sampling.kernel_key,
                                          greedy=greedy).compile().as_text()
 
-    def gathers(text):  # of weights: XLA:CPU gathers the rows' logits for top_k's draw either way (a TopK)
-        return [line for line in text.splitlines() if " all-gather(" in line and "/top_k" not in line]
+    # all-gathers of a weight (a stacked leaf or one layer's slice of it); XLA:CPU also gathers the
+    # rows' logits for the draw either way, under a name that changes between jax releases
+    weights = {shape for leaf in jax.tree.leaves(params) for shape in (leaf.shape, leaf.shape[1:])}
+
+    def gathers(text):
+        found = re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} all-gather\(", text)
+        return [shape for shape in (tuple(int(d) for d in dims.split(",") if d) for dims in found) if shape in weights]
 
     assert len(gathers(decode_text(split))) >= cfg.num_layers and gathers(decode_text(whole)) == []
 
