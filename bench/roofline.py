@@ -46,13 +46,15 @@ import tempfile
 import time
 from pathlib import Path
 
+QWEN25_SIZES = ("0.5b", "1.5b", "3b", "7b")  # arlopti_jax.aot.shapes.QWEN25, which imports jax
+
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     d = sub.add_parser("decode", help="one decode step")
     d.add_argument("--targets", default="h100,v5e-1")
-    d.add_argument("--shape", default="1.5b", help="a Qwen2.5 size of arlopti_jax/aot/shapes.py")
+    d.add_argument("--shape", default="1.5b", choices=QWEN25_SIZES, help="a Qwen2.5 size (arlopti_jax/aot/shapes.py)")
     d.add_argument("--rows", default="64,256", help="decode rows (prompts x samples)")
     d.add_argument("--prompt", type=int, default=512)
     d.add_argument("--response", type=int, default=4096)
@@ -80,7 +82,7 @@ def parse_args():
                         "sampler applies them (0: the plain model, which merged adapters give)")
     t = sub.add_parser("train", help="one micro-batch's forward and backward")
     t.add_argument("--target", default="v5e-16")
-    t.add_argument("--shape", default="3b")
+    t.add_argument("--shape", default="3b", choices=QWEN25_SIZES)
     t.add_argument("--tokens", type=int, default=4544, help="tokens per device (one packed row)")
     t.add_argument("--prompt", type=int, default=448, help="prompt tokens of the sequence (no vocabulary projection)")
     t.add_argument("--remat", action="store_true", help="model.remat (the configs' setting; more FLOPs)")
