@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from arlopti_jax.experiments.matched_report import BASELINE, cell, finals, mean_se, quartile_norms
+from arlopti_jax.experiments.matched_report import (BASELINE, cell, finals, mean_se, paired_difference, q1_share,
+                                                     quartile_norms)
 from arlopti_jax.experiments.sweep import MATCHED_METHODS, VARIANTS
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -39,14 +40,11 @@ def load(path: Path) -> dict:
 
 
 def paired(results: dict, method: str, key: str) -> str:
-    base, runs = finals(results, BASELINE), finals(results, method)
-    return cell(mean_se([runs[s][key] - base[s][key] for s in sorted(set(base) & set(runs))]), paired=True)
+    return cell(paired_difference(results, method, key), paired=True)
 
 
-def q1_share(results: dict, method: str) -> str:
-    norms = quartile_norms(results, method)
-    norms = norms[norms.sum(1) > 0]
-    return cell(mean_se(norms[:, 0] / norms.sum(1))) if len(norms) else "-"
+def share(results: dict, method: str) -> str:
+    return cell(q1_share(quartile_norms(results, method)))
 
 
 def cross_task(one: dict, two: dict) -> list[str]:
@@ -56,7 +54,7 @@ def cross_task(one: dict, two: dict) -> list[str]:
         if not finals(two, m):
             continue
         diffs = [paired(r, m, key) if m != BASELINE else "-" for key in (GREEDY, SAMPLED) for r in (one, two)]
-        lines.append(f"| {VARIANTS[m][0]} | " + " | ".join(diffs) + f" | {q1_share(one, m)} | {q1_share(two, m)} |")
+        lines.append(f"| {VARIANTS[m][0]} | " + " | ".join(diffs) + f" | {share(one, m)} | {share(two, m)} |")
     return lines
 
 

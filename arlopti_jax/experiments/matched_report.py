@@ -68,6 +68,19 @@ def accuracy_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def paired_difference(results: dict, method: str, key: str) -> tuple[float | None, float | None, int]:
+    """``mean_se`` of the method's final ``key`` minus GRPO's, over the seeds both finished."""
+    base, runs = finals(results, BASELINE), finals(results, method)
+    return mean_se([runs[s][key] - base[s][key] for s in sorted(set(runs) & set(base))])
+
+
+def q1_share(norms: np.ndarray) -> tuple[float | None, float | None, int]:
+    """``mean_se`` over runs of the lowest quartile's share of the summed per-quartile norms; a run
+    whose highest quartile has no gradient (all its advantages 0) is left out."""
+    live = norms[norms[:, 3] > 0]
+    return mean_se(live[:, 0] / live.sum(1))
+
+
 def paired_table(results: dict) -> str:
     """Each method minus GRPO on the same seed, over the seeds both finished."""
     cols = metrics(results)
@@ -78,10 +91,9 @@ def paired_table(results: dict) -> str:
     for m in methods_of(results):
         if m == BASELINE:
             continue
-        runs = finals(results, m)
-        seeds = sorted(set(runs) & set(base))
-        diffs = [cell(mean_se([runs[s][k] - base[s][k] for s in seeds]), paired=True) for _, k in cols]
-        lines.append(f"| {VARIANTS[m][0]} | {len(seeds)} | " + " | ".join(diffs) + " |")
+        stats = [paired_difference(results, m, k) for _, k in cols]
+        diffs = [cell(s, paired=True) for s in stats]
+        lines.append(f"| {VARIANTS[m][0]} | {stats[0][2]} | " + " | ".join(diffs) + " |")
     return "\n".join(lines)
 
 
@@ -102,7 +114,7 @@ def quartile_table(results: dict) -> str:
         cells = [cell(mean_se(norms[:, q]), ".3g") for q in range(4)]  # norms span decades
         live = norms[:, 3] > 0  # a batch whose advantages are all 0 has no gradient, and no ratio
         ratio = cell(mean_se(norms[live, 0] / norms[live, 3]), ".1f")
-        share = cell(mean_se(norms[live, 0] / norms[live].sum(1)))
+        share = cell(q1_share(norms))
         lines.append(f"| {VARIANTS[m][0]} | {len(norms)} | " + " | ".join(cells) + f" | {ratio} | {share} |")
     return "\n".join(lines)
 
