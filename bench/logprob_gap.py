@@ -92,8 +92,10 @@ def main(argv=None) -> int:
     loss_cfg = algos.LossConfig(kl_coef=0.001, temperature=args.temperature)
     optimizer = algos.make_optimizer(algos.OptimConfig(lr=1e-6))
     tokens = max(args.micro_tokens, -(-(args.prompt_len + args.gen_len) // 64) * 64)
-    step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens)
-    logprobs_fn = algos.make_compute_logprobs(cfg, mesh, temperature=args.temperature, tokens_per_device=tokens)
+    shapes = algos.packing.shapes_for(tokens, args.prompt_len + args.gen_len)  # the trainer's (run_setup.pack_shapes)
+    step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens, shapes=shapes)
+    logprobs_fn = algos.make_compute_logprobs(cfg, mesh, temperature=args.temperature, tokens_per_device=tokens,
+                                              shapes=shapes)
     sampler = Sampler(cfg, mesh)
     sampling = SamplingConfig(max_response_len=args.gen_len, temperature=args.temperature, eos_ids=(),
                               prompt_bucket=args.prompt_len, batch_bucket=args.batch // args.group,

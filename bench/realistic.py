@@ -213,13 +213,15 @@ def run_worker(args) -> dict:
     opt_state = algos.init_opt_state(optimizer, cfg, params, mesh)
     loss_cfg = algos.LossConfig(kl_coef=0.001)
     width = args.prompt_len + args.gen_len
-    # the shared-prefix flag, where this checkout has it
-    share = "shared_prefix" in inspect.signature(algos.make_train_step).parameters
-    shared = {"shared_prefix": args.shared_prefix == "on"} if share else {}
+    # the shared-prefix flag and the shape set, where the package has them
+    signature = inspect.signature(algos.make_train_step).parameters
+    packing_kw = {"shared_prefix": args.shared_prefix == "on"} if "shared_prefix" in signature else {}
     if packed:
         tokens = common.packed_budget(args.micro, width)
-        step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens, **shared)
-        logprobs_fn = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens, **shared)
+        if "shapes" in signature:  # the trainer's shape set (rl/run_setup.pack_shapes): rows up to twice the width
+            packing_kw["shapes"] = algos.packing.shapes_for(tokens, width)
+        step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens, **packing_kw)
+        logprobs_fn = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens, **packing_kw)
     else:
         step_fn = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, num_micro_batches=args.mini_batch // args.micro)
         logprobs_fn = algos.make_compute_logprobs(cfg, mesh, num_micro_batches=args.mini_batch // args.micro)
@@ -286,7 +288,8 @@ def run_worker(args) -> dict:
         if packed:  # the plan's arrays directly (packing.summary is newer than some --before commits)
             from arlopti_jax.algos import packing
 
-            ids = {"input_ids": batch["input_ids"]} if shared.get("shared_prefix") else {}
+            ids = {"input_ids": batch["input_ids"]} if packing_kw.get("shared_prefix") else {}
+            ids.update({"shapes": packing_kw["shapes"]} if "shapes" in packing_kw else {})
             plan = packing.plan_micro_batches(batch["attention_mask"], batch["response_mask"],
                                               np.arange(len(lengths)), tokens_per_device=tokens,
                                               num_devices=shd.batch_divisor(mesh),

@@ -71,8 +71,10 @@ class Ours:
                                                 unroll_layers=True)
         self.opt = algos.make_optimizer(algos.OptimConfig(lr=1e-5))
         self.opt_state = algos.init_opt_state(self.opt, self.cfg, self.params, self.mesh)
+        budget = MICRO * (PROMPT + RESPONSE)
         self.step = algos.make_train_step(self.cfg, algos.LossConfig(kl_coef=0.001), self.opt, self.mesh,
-                                          tokens_per_device=MICRO * (PROMPT + RESPONSE))
+                                          tokens_per_device=budget,  # the trainer's shape set (run_setup.pack_shapes)
+                                          shapes=algos.packing.shapes_for(budget, PROMPT + RESPONSE))
         self.sampler = Sampler(self.cfg, self.mesh)
         self.sampling = SamplingConfig(max_response_len=RESPONSE, temperature=1.0)
         self.key = jax.random.key(0)

@@ -96,8 +96,9 @@ def main():
     loss_cfg = algos.LossConfig(kl_coef=0.001)
     rows = max(1, args.batch // args.micro // shd.batch_divisor(mesh))  # a dense micro-batch's rows per device
     tokens = common.packed_budget(rows, args.seq)  # packed tokens per device and micro-batch
-    step = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens)
-    logprobs = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens)
+    shapes = algos.packing.shapes_for(tokens, args.seq)  # the trainer's shape set (rl/run_setup.pack_shapes)
+    step = algos.make_train_step(cfg, loss_cfg, optimizer, mesh, tokens_per_device=tokens, shapes=shapes)
+    logprobs = algos.make_compute_logprobs(cfg, mesh, tokens_per_device=tokens, shapes=shapes)
 
     rows, t = 2 * args.batch, args.seq  # a rollout batch of two mini-batches
     rng = np.random.default_rng(0)
