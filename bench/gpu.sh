@@ -16,10 +16,10 @@
 #                                 # the realistic 1.5B RL step both ways, interleaved (the rollout's share)
 #   bash bench/gpu.sh attention   # issue 44 (about 6 minutes): XLA's decode step under options (PDL, no split-K),
 #                                 # the step with each attention, the Pallas attention's settings against XLA's
-#   bash bench/gpu.sh sampling    # issue 44, NEXT (about 8 minutes): the padding the length-aware sampler removes at
+#   bash bench/gpu.sh sampling    # issue 44, NEXT (about 9 minutes): the padding the length-aware sampler removes at
 #                                 # 1.5B (dense against length-aware, realistic lengths); the step with top_p 0.9 (the
-#                                 # nucleus without a sort); the step with and without PDL; the 1.5B rollout with each
-#                                 # attention, interleaved (2026-11-28: docs/measurements/gpu_2026-11-28/)
+#                                 # nucleus without a sort); the step with and without PDL; the realistic 1.5B RL step
+#                                 # packed as the trainer packs it (2026-11-28: docs/measurements/gpu_2026-11-28/)
 #   bash bench/gpu.sh calibrate   # issue 32: decode ms per step and train MFU at the compiled shapes, to set
 #                                 # beside the compile-only figures of docs/measurements/journal.md (same card, same shapes)
 #   bash bench/gpu.sh shared      # issue 29: the shared-prefix exactness tests on the GPU (float32, highest
@@ -160,10 +160,12 @@ case "${1:-}" in
       --gen-len 1024 --rounds 2
     run top_p 100 bench/roofline.py decode --targets local --run --rows 64 --slots 1536 --top-p 1.0,0.9 \
       --skip-launches --profile 10
-    run decode_options 130 bench/roofline.py decode --targets local --run --rows 64 --slots 1536,4608 \
+    run decode_options 120 bench/roofline.py decode --targets local --run --rows 64 --slots 1536,4608 \
       --decode-attention pallas --skip-launches --xla-options none/xla_gpu_enable_pdl=true
-    run rollout_ab 100 bench/rollout.py --shape 1.5b --batch 64 --prompt-len 256 --gen-len 512 --skip-hf \
-      --rounds 3 --dense --decode-attention xla,pallas
+    # issue 44's step with the update packed as the trainer packs it (the runs before 3f69d07 packed rows as long
+    # as the budget: docs/measurements/cpu_2026-11-29_bench_shapes/): the rollout's share (target: at most 40%)
+    run realistic 150 bench/realistic.py --before none --skip-tiny --rounds 1 --steps 1 --shape 1.5b --dtype bfloat16 \
+      --prompts 8 --n 8 --prompt-min 235 --prompt-len 344 --gen-len 1024 --mini-batch 32 --micro 8
     ;;
   calibrate)
     setup
