@@ -2,7 +2,8 @@
 
     opt = make_optimizer(OptimConfig(lr=1e-6))
     opt_state = init_opt_state(opt, model_cfg, params, mesh)
-    step = make_train_step(model_cfg, LossConfig(), opt, mesh, tokens_per_device=4096)
+    shapes = packing.shapes_for(4096, longest=1024)  # sequences of at most 1024 tokens
+    step = make_train_step(model_cfg, LossConfig(), opt, mesh, tokens_per_device=4096, shapes=shapes)
     params, opt_state, metrics = step(params, opt_state, mini_batch)
 
 ``mini_batch`` is a dict of dense [M, T] host arrays aligned with ``input_ids`` (see
@@ -14,9 +15,11 @@ when ``loss_cfg.kl_coef != 0`` (``make_compute_logprobs`` with the reference par
 rollout batch).
 
 Cost follows the real tokens (``packing``): the mini-batch's sequences are packed into
-micro-batches of ``tokens_per_device`` tokens per data x fsdp device, in rows about as long
-as their longest sequence; the model runs on the packed rows (attention within each
-sequence) and the loss only at response positions. With ``shared_prefix`` (the
+micro-batches of ``tokens_per_device`` tokens per data x fsdp device, in rows of the lengths
+``shapes`` allows (the trainer's, ``rl/run_setup.pack_shapes``: up to twice the longest possible
+sequence; without ``shapes``, up to the whole budget, which costs attention over long rows); the
+model runs on the packed rows (attention within each sequence) and the loss only at response
+positions. With ``shared_prefix`` (the
 default; ``train.shared_prefix``) the responses of one prompt that share a row share one copy of
 the prompt: a GRPO group of n costs P + n x R tokens instead of n x (P + R), with the same
 log-probs and gradients to float rounding (``packing``'s docstring). For each micro-batch a jitted
