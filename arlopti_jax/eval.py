@@ -23,7 +23,7 @@ import jax
 from arlopti_jax.runtime import chips
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.models import lora
-from arlopti_jax.rl import run_setup
+from arlopti_jax.rl import resume, run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG
 from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, format_table
@@ -72,7 +72,7 @@ def main(argv) -> int:
         return 2
     try:
         if checkpoint:  # a LoRA checkpoint's adapters go with the base they were trained on
-            run_setup.check_checkpoint_base(Path(checkpoint), model_path, config.model.lora_rank)
+            resume.check_checkpoint_base(Path(checkpoint), model_path, config.model.lora_rank)
     except ValueError as err:
         print(f"error: --checkpoint={checkpoint}: {err}", file=sys.stderr)
         return 2
@@ -88,7 +88,7 @@ def main(argv) -> int:
 
         folder = Path(flags.FLAGS.checkpoint)
         ckpt = Checkpointer(folder.parent)
-        state, _ = ckpt.restore(int(folder.name), run_setup.saved_state(policy.model_cfg, run.state))
+        state, _ = ckpt.restore(int(folder.name), resume.saved_state(policy.model_cfg, run.state))
         ckpt.close()
         params, label = state["params"], str(folder)
         if policy.model_cfg.lora_rank:  # adapter-only: on the folder's base

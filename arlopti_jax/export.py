@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ml_collections
 
-from arlopti_jax.rl import run_setup
+from arlopti_jax.rl import resume, run_setup
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.config.cli import startup_done
 from arlopti_jax.models import load_params, lora, save_pretrained
@@ -54,7 +54,7 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[Path, ml_collections.Config
         raise FileNotFoundError(f"{model_path}, the model folder {meta_file} names (architecture and tokenizer), "
                                 "has no config.json")
     config = ml_collections.ConfigDict(json.loads(meta["config"]))
-    run_setup.check_checkpoint_base(folder, model_path, int(config.model.get("lora_rank", 0)))
+    resume.check_checkpoint_base(folder, model_path, int(config.model.get("lora_rank", 0)))
     return folder, config, model_path
 
 
@@ -70,7 +70,7 @@ def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, ou
     mesh = run_setup.make_mesh(config)
     optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
     ckpt = Checkpointer(folder.parent)
-    state, _ = ckpt.restore(int(folder.name), run_setup.saved_state(
+    state, _ = ckpt.restore(int(folder.name), resume.saved_state(
         model_cfg, run_setup.abstract_state(model_cfg, optimizer, mesh)))
     ckpt.close()
     if adapter:

@@ -162,7 +162,7 @@ def world(tmp_path_factory):
     (checkpoint / "meta" / "metadata").write_text(json.dumps({"config": get_config().to_json(),
                                                               "model_path": str(model)}))
     # a LoRA run's (export --adapter): adapters of rank 16 on the stand-in model, by its hash
-    from arlopti_jax.rl.run_setup import base_digest
+    from arlopti_jax.rl.resume import base_digest
 
     lora_config = get_config()
     lora_config.model.lora_rank = 16

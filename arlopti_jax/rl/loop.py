@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arlopti_jax import algos
-from arlopti_jax.rl import run_setup
+from arlopti_jax.rl import resume, run_setup
 from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.store.checkpoint import PreemptionFlag
@@ -104,8 +104,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
                              pad_id=run_setup.pad_id(policy), total_steps=steps, prompt_width=inputs.longest_prompt)
     train_step = run.train_step
 
-    ckpt = run_setup.checkpointer(config)
-    restored = run_setup.restore_from(config, ckpt, run_setup.saved_state(model_cfg, run.state))
+    ckpt = resume.checkpointer(config)
+    restored = resume.restore_from(config, ckpt, resume.saved_state(model_cfg, run.state))
     ref_params = None
     if run.use_reference:  # frozen: never donated; with LoRA the base itself, adapters off (no copy)
         ref_params = lora.adapters_off(policy.params) if model_cfg.lora_rank else policy.params
@@ -146,7 +146,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
 
     def save(step, eval_pending=False):  # eval_pending: the step's evaluation is left to the resumed run
         state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
-        ckpt.save(step, run_setup.saved_state(model_cfg, state),
+        ckpt.save(step, resume.saved_state(model_cfg, state),
                   {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
                    "config": config.to_json_best_effort(), "eval_pending": eval_pending,
                    **({"base_sha256": inputs.base_sha256} if model_cfg.lora_rank else {})})

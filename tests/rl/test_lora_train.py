@@ -15,7 +15,7 @@ from run_fixtures import kill_after_checkpoint, make_config, overrides, step_met
 
 from arlopti_jax import export
 from arlopti_jax.models import load_params, load_pretrained, logits, lora
-from arlopti_jax.rl import run_setup
+from arlopti_jax.rl import resume, run_setup
 from arlopti_jax.experiments.sweep import MATCHED_METHODS, METHOD_BASE, VARIANTS
 from arlopti_jax.rl.loop import train
 from arlopti_jax.store.checkpoint import Checkpointer
@@ -42,7 +42,7 @@ def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path, capsys, cap
     optimizer = run_setup.make_optimizer(config, 2)
     step_dir = tmp_path / "run" / "checkpoints" / "2"
     ckpt = Checkpointer(step_dir.parent)
-    state, meta = ckpt.restore(2, run_setup.saved_state(cfg, run_setup.abstract_state(cfg, optimizer, mesh)))
+    state, meta = ckpt.restore(2, resume.saved_state(cfg, run_setup.abstract_state(cfg, optimizer, mesh)))
     ckpt.close()
     # the checkpoint holds the adapters, their optimizer state and the base's hash, not the base
     adapters = state["params"]
@@ -118,7 +118,7 @@ def test_a_checkpoint_and_a_config_that_disagree_on_lora_are_refused(tmp_path):
         (folder / "meta" / "metadata").write_text(json.dumps(
             {"step": 3, "config": json.dumps({"model": {"lora_rank": saved_rank}})}))
         with pytest.raises(ValueError, match=needle):
-            run_setup.check_checkpoint_base(folder, tmp_path, rank)
+            resume.check_checkpoint_base(folder, tmp_path, rank)
 
 
 @pytest.mark.slow  # two runs of 4 steps and a killed one
