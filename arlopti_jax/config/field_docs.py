@@ -1,0 +1,175 @@
+"""What each config field means: the one source for ``--help`` and docs/reference/config.md's
+table (``tests/config/test_cli.py`` checks that every field of ``base_config()`` has an entry and
+that the table is this one)."""
+
+FIELD_DOCS = {
+    "run_dir": "run folder: TensorBoard events, `metrics.jsonl`, `eval.jsonl`, `checkpoints/`, `export/`",
+    "seed": "sampling RNG seed",
+    "resume": "`auto`: continue from the newest good checkpoint in `run_dir`; `none`: refuse if checkpoints "
+              "exist; or a checkpoint step folder",
+    "compile_cache_dir": "JAX's persistent compilation cache: compiled programs are saved here and reused by later "
+                         "runs, resumes and evaluations (per user: they depend on the model, not the run; a folder "
+                         "all hosts share lets every host reuse them, e.g. `gs://bucket/jax_cache` with gcsfs "
+                         "installed); beyond 4 GiB the least recently used programs are deleted when a command starts; "
+                         "`\"\"` = off",
+    "model.path": "local Hugging Face folder (config.json, tokenizer, safetensors, optional "
+                  "generation_config.json), or a Hub id `ORG/NAME[@REVISION]` read through the Hugging Face "
+                  "cache (`HF_HOME`, `HF_HUB_OFFLINE`); `\"\"` = the embedded start point",
+    "model.dtype": "activation dtype (`float32`, `bfloat16`); log-probs and losses are float32",
+    "model.param_dtype": "weight dtype, and so the AdamW state's",
+    "model.remat": "rematerialise each layer in the backward pass",
+    "model.attention": "training and prefill attention: 'auto' (cuDNN's fused kernel on a GPU with a 16-bit "
+                       "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
+    "model.decode_attention": "the sampler's attention in each decode step: 'auto' (on a GPU the Pallas kernel of "
+                              "models/decode_attention.py, which writes the KV cache and reads only each row's "
+                              "live slots; elsewhere XLA's), 'xla', or 'pallas' (GPU only)",
+    "model.decode_matmul": "the weight products of each decode step that runs the Pallas attention: 'xla', or "
+                           "'pallas' (GPU only: models/decode_matmul.py's kernels, each with the RMS norm before it "
+                           "and the residual add or silu x up after it, 6 kernels a layer; on an H200 the 1.5B rollout "
+                           "ran 0.71x as fast as with XLA's, 2026-11-28)",
+    "model.unroll_layers": "layers as straight-line code instead of a scanned loop in the training passes: faster "
+                           "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py); "
+                           "on a GPU or TPU scan against unroll is not yet measured (the embedded default unrolls its "
+                           "4 layers there too, by the compiler's figures: embedded/default.py)",
+    "model.lora_rank": "LoRA: train rank-r adapters beside the frozen base weights (the reference policy is the base, "
+                       "adapters off; AdamW state covers the adapters alone); 0 = full fine-tuning",
+    "model.lora_alpha": "LoRA: each adapted weight is W + (lora_alpha / lora_rank) B A",
+    "model.lora_targets": "LoRA: the projections that get adapters, comma-separated from q, k, v, o, gate, up, down",
+    "model.logprob_chunk": "targets per packed row in each vocabulary-projection chunk (no [B, T, V] tensor is held; "
+                           "up to 64 MiB of target logits per device are projected in one piece)",
+    "data.train_files": "comma-separated parquet/jsonl files or folders",
+    "data.test_files": "comma-separated parquet/jsonl files or folders; each test file is reported separately",
+    "data.prompt_style": "`template`: the prompt text already holds the chat template (public K&K files); "
+                         "`messages`: apply the tokenizer's chat template; `auto`: decide per row",
+    "data.max_prompt_length": "longer prompts are dropped, and the drop is reported per file",
+    "data.shuffle_seed": "data order (reshuffled each epoch with seed + epoch; the last partial batch is dropped)",
+    "rollout.n": "responses per prompt (the group size G)",
+    "rollout.temperature": "sampling temperature; pi_old is the temperature-scaled full distribution",
+    "rollout.top_p": "nucleus sampling (1 = off)",
+    "rollout.top_k": "top-k sampling (0 = off)",
+    "rollout.max_response_length": "response tokens, EOS included",
+    "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this) of the longest prompt "
+                             "in the run's data: one prompt width per run",
+    "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler",
+    "rollout.length_aware": "decode cost follows the responses' real lengths: the KV cache grows in phases and "
+                            "finished rows are dropped from the batch; False = every step over all slots and rows "
+                            "(the same tokens and log-probs)",
+    "rollout.phase_tokens": "response slots of the first decode phase, doubling each phase up to "
+                            "max_response_length; 0 = max_response_length / 4 rounded up to a power of two (three "
+                            "phases; each phase is one more compiled decode loop per row count)",
+    "rollout.min_rows": "rows per device below which the decode batch is not compacted further (each row count "
+                        "is one more compiled program)",
+    "rollout.whole_weights": "the sampler's copy of the weights whole along the mesh's data and fsdp axes (split "
+                             "over tensor still), so no decode step gathers them: 'auto' (on a GPU or TPU, where "
+                             "fsdp or data splits the weights and the copy takes at most an eighth of a device's "
+                             "memory), 'on', 'off'",
+    "algo.adv_estimator": "`grpo`, `reinforce_plus_plus`, `rloo`, `dr_grpo`",
+    "algo.weighting": "token weights: `none`, `ar` (Advantage Reweighting), `tr` (TR-GRPO)",
+    "algo.ar_alpha": "AR alpha (paper: 0.2 alone, 0.3 with Lopti)",
+    "algo.tr_scale": "TR-GRPO a in w = clip(a (sigmoid(p / tau) - mu), min, max); TR constants are this "
+                     "project's choice (reasons in `algos/token_weights.py`)",
+    "algo.tr_tau": "TR-GRPO tau",
+    "algo.tr_mu": "TR-GRPO mu",
+    "algo.tr_min": "TR-GRPO lower clip of the weight",
+    "algo.tr_max": "TR-GRPO upper clip of the weight",
+    "algo.lopti_eta": "Lopti threshold on pi_old: 0 = off, > 0 low pass first, < 0 high pass first "
+                      "(paper: 0.4 alone, 0.5 with AR)",
+    "algo.lopti_split": "`threshold`, or `quantile` (threshold = the |eta|-quantile of the batch's pi_old)",
+    "algo.entropy_top_fraction": "the \"80/20\" rule (arXiv 2506.01939): the policy gradient only on this fraction "
+                                 "of the rollout batch's response tokens with the highest pi_old entropy (a "
+                                 "teacher-forced pass before the update; threshold: the batch's (1 - fraction)-"
+                                 "quantile; the rest keep A = 0 and their place in the denominator); 0 = off; the "
+                                 "paper: 0.2",
+    "algo.filter_groups": "DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and "
+                          "sample more prompts until `train.batch_prompts` groups remain",
+    "algo.max_sample_rounds": "with `filter_groups`, at most this many generation rounds per step; if the "
+                              "batch is still short, dropped groups fill it (logged)",
+    "algo.overlong_buffer": "DAPO soft overlong penalty: L_c tokens; a response of L tokens gets "
+                            "overlong_penalty x min(0, (max_response_length - L_c - L) / L_c) added "
+                            "to its reward; 0 = off",
+    "algo.overlong_penalty": "the overlong penalty's factor (its value at max_response_length)",
+    "loss.clip_low": "PPO clip range below 1",
+    "loss.clip_high": "PPO clip range above 1 (clip-higher)",
+    "loss.dual_clip": "dual clip applied where A < 0",
+    "loss.kl_coef": "KL to the frozen initial policy; 0 disables it, along with the reference policy",
+    "loss.kl_type": "KL estimator: `k1`, `k2`, `k3`/`low_var_kl`",
+    "loss.entropy_coef": "entropy bonus",
+    "loss.agg": "`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`",
+    "loss.mode": "`ppo` (the clipped surrogate) or `cispo` (MiniMax-M1, arXiv 2506.13585: -sg[min(ratio, "
+                 "`cispo_max_weight`)] x A x log pi on every token; the clip ranges and dual clip are unused)",
+    "loss.ratio_level": "`token` (PPO's per-token ratio) or `sequence` (GSPO, arXiv 2507.18071: every token of a "
+                        "response takes its sequence's ratio exp(mean log-ratio), clipped by `clip_low`/`clip_high`, "
+                        "in GSPO-token's stop-gradient form; the paper's gradient with `agg` = `seq-mean-token-mean` "
+                        "and its clip 3e-4/4e-4); `ppo` mode only",
+    "loss.cispo_max_weight": "CISPO's upper bound on the importance weight, 1 + eps_high^IS (no lower bound, as "
+                             "the paper); default: ScaleRL's 5",
+    "optim.lr": "AdamW learning rate",
+    "optim.b1": "AdamW beta1",
+    "optim.b2": "AdamW beta2",
+    "optim.weight_decay": "AdamW weight decay (every parameter)",
+    "optim.eps": "AdamW epsilon",
+    "optim.grad_clip": "global gradient-norm clip",
+    "optim.schedule": "`constant` or `warmup_cosine` (counted in optimizer steps)",
+    "optim.warmup_steps": "linear warm-up, in optimizer steps",
+    "optim.min_lr_ratio": "`warmup_cosine` decays to lr x this",
+    "train.batch_prompts": "prompts per RL step",
+    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps)",
+    "train.micro_batch": "sizes the packed micro-batch when `max_tokens_per_micro_batch` is 0: room for this many "
+                         "sequences of the longest possible length, so one holds more of shorter responses; each "
+                         "micro-batch is one jitted forward/backward call, and their gradients are summed before "
+                         "the mini-batch's optimizer step",
+    "train.max_tokens_per_micro_batch": "tokens per data x fsdp device of one packed micro-batch (sequences packed "
+                                        "back to back, no padding to full width); 0 = the dense micro-batch's share, "
+                                        "micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)",
+    "train.shared_prefix": "in the update and log-prob passes, responses with the same prompt (a GRPO group) "
+                           "share one copy of it in their packed row, attending to it and causally to their own "
+                           "tokens, never a sibling's: P + n x R tokens instead of n x (P + R), the same log-probs "
+                           "and gradients to float rounding; prompts no other row repeats keep their own copy; "
+                           "False = every sequence whole",
+    "train.pack_row_lengths": "row lengths the packed passes may use: twice the longest possible sequence (at most "
+                              "the micro-batch), then each half the one before; each is one more compiled program "
+                              "per pass and row count, all known before the first step",
+    "train.pack_fills": "row counts a packed micro-batch may have: the full micro-batch, then half, a quarter, ... "
+                        "(the tail of a mini-batch takes the cheapest of them that hold it); programs per "
+                        "pass = pack_row_lengths x pack_fills",
+    "train.epochs": "passes over the training data (when `max_steps` is -1)",
+    "train.max_steps": "RL steps; -1 = epochs x batches per epoch",
+    "train.eval_every": "evaluate every this many steps (and at the end)",
+    "train.eval_before": "evaluate before the first step",
+    "train.eval_n": "sampled responses per test prompt, besides the greedy one",
+    "train.eval_ks": "k values of pass@k, maj@k and mean@k, each <= `eval_n` (e.g. `1,4,8`)",
+    "train.eval_temperature": "temperature of the sampled evaluation (the reference uses 1.0 with top_p 1)",
+    "train.eval_max_prompts": "evaluate at most this many prompts per test file; -1 = all",
+    "train.save_generations": "keep every evaluation's responses (row, mode, response, extracted answer, score) as "
+                              "`run_dir/generations/<step or eval-time>/<test set>.jsonl`",
+    "train.save_every": "asynchronous orbax checkpoint every this many steps (and at the end, and on SIGTERM)",
+    "train.keep_checkpoints": "checkpoints kept",
+    "train.samples_every": "sample completions to TensorBoard every this many steps",
+    "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",
+    "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
+                               "this many steps, and at the first step the isolation experiment "
+                               "(`isolation/{low,high}_q{1..4}`, unless `isolation_experiment` is off); 0 = off",
+    "train.diagnostics_rows": "the rows of the rollout batch those gradient norms are measured on: 0 = the step's "
+                              "first mini-batch (`train.mini_batch` rows), -1 = the whole batch (comparable across "
+                              "mini-batch sizes: `reproduce --matched` uses it), N = the first N rows",
+    "train.isolation_experiment": "with `diagnostics_every`, run the isolation experiment once, before the first "
+                                  "update: one optimizer step on the lowest and one on the highest pi_old quartile's "
+                                  "tokens from a copy of the policy (two extra steps and three log-prob passes; "
+                                  "training does not change)",
+    "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
+                 "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
+    "reward.workers": "parallel scoring processes; 0 = the built-in rewards score in the trainer's process (K&K "
+                      "scoring is a bounded scan; math-verify runs in its own sandbox process), while a `reward.fn` "
+                      "still runs in one worker process, the only place `reward.timeout_s` can stop it",
+    "reward.timeout_s": "per-response scoring time limit, seconds: a scoring call that overruns it is stopped and "
+                        "the response scores 0, as when scoring raises",
+    "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices)",
+    "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",
+    "mesh.tensor": "tensor-parallel mesh axis size (-1 = the rest)",
+    "distributed.coordinator": "`host:port` of process 0; `\"\"` = from SLURM, or a single process; `auto` = "
+                               "JAX's detection (Cloud TPU)",
+    "distributed.num_processes": "process count (0 = from SLURM or JAX)",
+    "distributed.process_id": "this process's id (-1 = from SLURM or JAX)",
+    "distributed.heartbeat_timeout_s": "seconds after a process stops sending heartbeats (it died) before the "
+                                       "others stop too (JAX's coordination service)",
+}
