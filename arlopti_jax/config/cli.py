@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -169,7 +170,10 @@ def parse_command_line(argv: list[str], command: Command, define_flags) -> list[
     from absl import flags
 
     if any(arg in HELP_FLAGS for arg in argv[1:]):
-        print(help_text(command, argv[1:]))
+        try:
+            print(help_text(command, argv[1:]), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     try:
         define_flags()  # ml_collections' config flags already read sys.argv here

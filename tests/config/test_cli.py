@@ -41,6 +41,16 @@ def test_help_lists_every_config_field(module):
     assert "  run_dir = runs/kk_7b_grpo   [base: runs/run]" in out
 
 
+def test_help_into_a_reader_that_stops_early():
+    """`--help | head -1` where head is gone before the help is written: the command still exits
+    0, without a traceback (the reader here closes its end at once, so the write always fails)."""
+    proc = subprocess.Popen([sys.executable, "-m", "arlopti_jax.train", "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()[-2000:]
+
+
 def test_help_of_sft_and_export():
     out = help_output("arlopti_jax.sft")
     listed = set(re.findall(r"^  ([a-z_]+(?:\.[a-z_0-9]+)?) = ", out, re.MULTILINE))
