@@ -11,6 +11,10 @@ Two tables (markdown):
 2. On the harder task's validation split, each method minus GRPO at the same learning rate,
    paired by grid seed: the learning-rate grid holds every method at every rate, so this
    compares the methods without the choice of rate. Only runs the records mark finished count.
+3. With ``--same-rate FOLDER`` (default: the harder task's ``same_rate`` records, where present):
+   test runs of a method at another rate than its validated one (``reproduce --matched --lr
+   METHOD=RATE``), each metric minus GRPO's on the harder task, paired by seed, beside the same
+   method at its validated rate; and both runs' lowest-quartile gradient share.
 
 FOLDER holds a sweep's results.json (and grid/results.json), as ``matched_sync.py`` writes them.
 """
@@ -24,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from arlopti_jax.experiments.matched_report import (BASELINE, cell, finals, mean_se, paired_difference, q1_share,
-                                                     quartile_norms)
+from arlopti_jax.experiments.matched_report import (BASELINE, cell, finals, mean_se, metrics, paired_difference,
+                                                     q1_share, quartile_norms)
 from arlopti_jax.experiments.sweep import MATCHED_METHODS, VARIANTS
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -82,17 +86,44 @@ def same_rate(grid: dict) -> list[str]:
     return lines
 
 
+def other_rate(two: dict, extra: dict) -> list[str]:
+    """Each method of ``extra`` (test runs at one other rate) and the same method of ``two`` at its
+    validated rate, minus GRPO of ``two``, paired by seed."""
+    cols = metrics(two)
+    lines = ["| method | lr | seeds | " + " | ".join(f"{c} - GRPO" for c, _ in cols) + " | q1 share |",
+             "|---" * (len(cols) + 4) + "|"]
+    grpo = {k: r for k, r in two["runs"].items() if r["variant"] == BASELINE}
+    for m in MATCHED_METHODS:
+        if m == BASELINE or not finals(extra, m):
+            continue
+        for runs in (two, extra):
+            own = {k: r for k, r in runs["runs"].items() if r["variant"] == m}
+            merged = {"runs": {**{f"grpo:{k}": r for k, r in grpo.items()}, **{f"m:{k}": r for k, r in own.items()}}}
+            stats = [paired_difference(merged, m, key) for _, key in cols]
+            rates = sorted({r["lr"] for r in own.values() if r.get("finished")})
+            lines.append(f"| {VARIANTS[m][0]} | {', '.join(f'{x:g}' for x in rates)} | {stats[0][2]} | "
+                         + " | ".join(cell(st, paired=True) for st in stats) + f" | {share(runs, m)} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--one", type=Path, default=RESULTS / "matched_smollm2",
                     help="the one-step task's records (default: %(default)s)")
     ap.add_argument("--harder", type=Path, default=RESULTS / "harder_task" / "matched",
                     help="the harder task's records (default: %(default)s)")
+    ap.add_argument("--same-rate", type=Path, default=None,
+                    help="test runs of a method at another rate (default: the harder task's same_rate records, "
+                         "where present)")
     args = ap.parse_args(argv)
     one, two = load(args.one / "results.json"), load(args.harder / "results.json")
     print("\n".join(cross_task(one, two)))
     print()
     print("\n".join(same_rate(load(args.harder / "grid" / "results.json"))))
+    extra = args.same_rate or RESULTS / "harder_task" / "same_rate"
+    if args.same_rate or (extra / "results.json").is_file():
+        print()
+        print("\n".join(other_rate(two, load(extra / "results.json"))))
     return 0
 
 

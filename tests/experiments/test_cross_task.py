@@ -84,3 +84,43 @@ def test_cross_task_tables_equal_numpy(tmp_path, capsys):
 def test_records_that_are_not_there_get_one_error_line(tmp_path):
     with pytest.raises(SystemExit, match=r"error: .*nowhere/results.json: not a sweep's records"):
         load_script().main(["--harder", str(tmp_path / "nowhere")])
+
+
+def test_other_rate_table_pairs_each_rate_with_grpo(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    keys = ("eval/avg/greedy_acc", "eval/avg/sampled_acc", "eval/avg/pass@4")
+
+    def timed(variant, seed, lr, values, norms):
+        r = run(variant, seed, values[0], values[1], norms.tolist())
+        r["evals"][-1]["eval/avg/pass@4"] = values[2]
+        return {**r, "lr": lr}
+
+    acc = {(m, s): rng.uniform(0.2, 0.9, 3) for m in ("grpo", "grpo_ar", "ar_same") for s in range(5)}
+    norms = {(m, s): rng.uniform(0.01, 2.0, (2, 4)) for m in ("grpo", "grpo_ar", "ar_same") for s in range(5)}
+    runs = {f"{m}/seed{s}": timed(m, s, 3e-6 if m == "grpo" else 1e-5, acc[m, s], norms[m, s])
+            for m in ("grpo", "grpo_ar") for s in range(5)}
+    write(tmp_path / "harder", runs)
+    write(tmp_path / "one", runs)
+    # the other rate: seeds 0-3 (seed 4 unfinished), variant grpo_ar at GRPO's rate
+    extra = {f"grpo_ar/seed{s}": timed("grpo_ar", s, 3e-6, acc["ar_same", s], norms["ar_same", s]) for s in range(4)}
+    extra["grpo_ar/seed4"] = {**timed("grpo_ar", 4, 3e-6, acc["ar_same", 4], norms["ar_same", 4]), "finished": False}
+    write(tmp_path / "same", extra)
+    script = load_script()
+    assert script.main(["--one", str(tmp_path / "one"), "--harder", str(tmp_path / "harder"),
+                        "--same-rate", str(tmp_path / "same")]) == 0
+    table = capsys.readouterr().out.split("\n\n")[2]
+    rows = [line for line in table.splitlines() if line.startswith("| GRPO + AR |")]
+
+    def expect(m, seeds):
+        out = []
+        for k in range(3):
+            d = np.array([acc[m, s][k] - acc["grpo", s][k] for s in seeds])
+            out.append(f"{d.mean():+.3f} ({d.std(ddof=1) / np.sqrt(len(d)):.3f})")
+        x = np.array([norms[m, s].mean(0)[0] / norms[m, s].mean(0).sum() for s in seeds])
+        return out + [f"{x.mean():.3f} ± {x.std(ddof=1) / np.sqrt(len(x)):.3f}"]
+
+    assert [c.strip() for c in rows[0].strip("|").split("|")][1:] == ["1e-05", "5", *expect("grpo_ar", range(5))]
+    assert [c.strip() for c in rows[1].strip("|").split("|")][1:] == ["3e-06", "4", *expect("ar_same", range(4))]
+    with pytest.raises(SystemExit, match="error: .*missing"):
+        script.main(["--one", str(tmp_path / "one"), "--harder", str(tmp_path / "harder"),
+                     "--same-rate", str(tmp_path / "missing")])
