@@ -11,7 +11,7 @@ Two tables (markdown):
 2. On the harder task's validation split, each method minus GRPO at the same learning rate,
    paired by grid seed: the learning-rate grid holds every method at every rate, so this
    compares the methods without the choice of rate. Only runs the records mark finished count.
-3. With ``--same-rate FOLDER`` (default: the harder task's ``same_rate`` records, where present):
+3. With ``--same-rate FOLDER`` (default: ``same_rate`` beside the harder task's folder, where present):
    test runs of a method at another rate than its validated one (``reproduce --matched --lr
    METHOD=RATE``), each metric minus GRPO's on the harder task, paired by seed, beside the same
    method at its validated rate; and both runs' lowest-quartile gradient share.
@@ -113,14 +113,13 @@ def main(argv=None) -> int:
     ap.add_argument("--harder", type=Path, default=RESULTS / "harder_task" / "matched",
                     help="the harder task's records (default: %(default)s)")
     ap.add_argument("--same-rate", type=Path, default=None,
-                    help="test runs of a method at another rate (default: the harder task's same_rate records, "
-                         "where present)")
+                    help="test runs of a method at another rate (default: same_rate beside --harder, where present)")
     args = ap.parse_args(argv)
     one, two = load(args.one / "results.json"), load(args.harder / "results.json")
     print("\n".join(cross_task(one, two)))
     print()
     print("\n".join(same_rate(load(args.harder / "grid" / "results.json"))))
-    extra = args.same_rate or RESULTS / "harder_task" / "same_rate"
+    extra = args.same_rate or args.harder.parent / "same_rate"  # beside the harder task's records
     if args.same_rate or (extra / "results.json").is_file():
         print()
         print("\n".join(other_rate(two, load(extra / "results.json"))))
