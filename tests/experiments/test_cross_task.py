@@ -88,7 +88,6 @@ def test_records_that_are_not_there_get_one_error_line(tmp_path):
 
 def test_other_rate_table_pairs_each_rate_with_grpo(tmp_path, capsys):
     rng = np.random.default_rng(1)
-    keys = ("eval/avg/greedy_acc", "eval/avg/sampled_acc", "eval/avg/pass@4")
 
     def timed(variant, seed, lr, values, norms):
         r = run(variant, seed, values[0], values[1], norms.tolist())
