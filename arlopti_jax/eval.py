@@ -27,6 +27,7 @@ from arlopti_jax.rl import resume, run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG
 from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, format_table
+from arlopti_jax.store.checkpoint import restore_subtree
 from arlopti_jax.tasks import load_reward_fn
 
 COMMAND = Command(
@@ -44,6 +45,26 @@ COMMAND = Command(
     ))
 
 
+def adopt_checkpoint_settings(config, folder: Path) -> None:
+    """Evaluate a checkpoint as it was trained: the model fields that shape or scale its parameters
+    (``resume.PARAM_FIELDS``: LoRA rank, alpha and targets, the parameter dtype) are taken from the
+    run config it records, with one line for each that differs from this command's."""
+    meta = resume.checkpoint_meta(folder)
+    if meta is None:
+        raise ValueError(f"--checkpoint={folder}: no meta/metadata: not a complete arlopti_jax checkpoint")
+    saved = resume.stored_config(meta)
+    if "model" not in saved:
+        return
+    theirs, ours = resume.model_settings(saved), resume.model_settings(config)
+    for name in resume.PARAM_FIELDS:
+        if theirs[name] != ours[name]:
+            value = ",".join(theirs[name]) if name == "lora_targets" else theirs[name]
+            if jax.process_index() == 0:
+                print(f"note: model.{name}={value} from the checkpoint {folder} (this command's is "
+                      f"{','.join(ours[name]) if name == 'lora_targets' else ours[name]})")
+            config.model[name] = value
+
+
 def main(argv) -> int:
     from absl import flags
 
@@ -58,42 +79,42 @@ def main(argv) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     mesh = run_setup.make_mesh(config)
+    checkpoint = flags.FLAGS.checkpoint
     try:
         model_path, _, test_files = run_setup.resolve_paths(config, need_train=False)
+        if not test_files:
+            raise ValueError("config.data.test_files is empty: nothing to evaluate")
+        folder = Path(checkpoint) if checkpoint else None
+        if folder is not None:
+            if not (folder.is_dir() and folder.name.isdigit()):
+                raise ValueError(f"--checkpoint={checkpoint}: not a checkpoint step folder (…/checkpoints/<step>)")
+            adopt_checkpoint_settings(config, folder)
+            # a LoRA checkpoint's adapters go with the base they were trained on; its arrays with the model's shapes
+            resume.check_checkpoint_base(folder, model_path, config.model.lora_rank)
+            resume.check_checkpoint(config, run_setup.model_config(config, model_path), folder=folder)
+        tokenizer = run_setup.load_tokenizer(model_path)
+        sets = {}
+        for f in test_files:
+            try:
+                sets[run_setup.eval_set_name(f)] = run_setup.prompt_dataset(config, [f], tokenizer)
+            except ValueError as err:
+                raise ValueError(f"config.data.test_files: {err}") from None
+        reward_fn = load_reward_fn(config.reward.fn or None)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not test_files:
-        print("error: config.data.test_files is empty: nothing to evaluate", file=sys.stderr)
-        return 2
-    checkpoint = flags.FLAGS.checkpoint
-    if checkpoint and not (Path(checkpoint).is_dir() and Path(checkpoint).name.isdigit()):
-        print(f"error: --checkpoint={checkpoint}: not a checkpoint step folder (…/checkpoints/<step>)", file=sys.stderr)
-        return 2
-    try:
-        if checkpoint:  # a LoRA checkpoint's adapters go with the base they were trained on
-            resume.check_checkpoint_base(Path(checkpoint), model_path, config.model.lora_rank)
-    except ValueError as err:
-        print(f"error: --checkpoint={checkpoint}: {err}", file=sys.stderr)
-        return 2
     startup_done(COMMAND.name)
-    policy = run_setup.load_policy(config, mesh, model_path)
-    sets = {run_setup.eval_set_name(f): run_setup.prompt_dataset(config, [f], policy.tokenizer) for f in test_files}
+    policy = run_setup.load_policy(config, mesh, model_path, tokenizer)
     run = run_setup.assemble(config, mesh, policy.model_cfg, eos_ids=run_setup.eos_ids(policy),
-                             pad_id=run_setup.pad_id(policy), total_steps=max(1, config.train.max_steps),
+                             pad_id=run_setup.pad_id(policy), total_steps=None,
                              prompt_width=run_setup.longest_prompt(sets.values()))
     params, label = policy.params, str(model_path)
-    if flags.FLAGS.checkpoint:
-        from arlopti_jax.store.checkpoint import Checkpointer
-
-        folder = Path(flags.FLAGS.checkpoint)
-        ckpt = Checkpointer(folder.parent)
-        state, _ = ckpt.restore(int(folder.name), resume.saved_state(policy.model_cfg, run.state))
-        ckpt.close()
-        params, label = state["params"], str(folder)
+    if folder is not None:  # its parameters alone, not the optimizer state beside them
+        params = restore_subtree(folder, {"params": resume.saved_state(policy.model_cfg, run.state)["params"]})
+        params, label = params["params"], str(folder)
         if policy.model_cfg.lora_rank:  # adapter-only: on the folder's base
             params = lora.combine(lora.split(policy.params)[0], params)
-    evaluator = Evaluator(config, run, policy.tokenizer, sets, load_reward_fn(config.reward.fn or None))
+    evaluator = Evaluator(config, run, policy.tokenizer, sets, reward_fn)
     start = time.time()
     generations = None
     if config.train.save_generations:

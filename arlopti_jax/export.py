@@ -19,18 +19,21 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import ml_collections
 
 from arlopti_jax.rl import resume, run_setup
-from arlopti_jax.store.checkpoint import Checkpointer
+from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.store.checkpoint import restore_subtree
 from arlopti_jax.config.cli import startup_done
-from arlopti_jax.models import load_params, lora, save_pretrained
+from arlopti_jax.models import abstract_params, load_params, lora, param_shardings, save_pretrained
 from arlopti_jax.models.hf import save_adapter
 
 
 EPILOG = """\
-It takes no config file and no --config flags: the run's config (model dtype, mesh) is the one
-stored in the checkpoint.
+It takes no config file and no --config flags: the run's config (model dtype, LoRA settings) is the
+one stored in the checkpoint. It reads the parameters alone (not the optimizer state), on the
+devices at hand: a checkpoint saved on 8 devices exports on one.
 
 examples:
   python -m arlopti_jax.export --checkpoint runs/default/checkpoints/30 --out exports/default
@@ -55,6 +58,8 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[Path, ml_collections.Config
                                 "has no config.json")
     config = ml_collections.ConfigDict(json.loads(meta["config"]))
     resume.check_checkpoint_base(folder, model_path, int(config.model.get("lora_rank", 0)))
+    # its arrays against the model folder's shapes (a folder changed since the run), from metadata alone
+    resume.check_checkpoint(config, run_setup.model_config(config, model_path), folder=folder)
     return folder, config, model_path
 
 
@@ -67,15 +72,15 @@ def _write(folder: Path, config: ml_collections.ConfigDict, model_path: Path, ou
     model_cfg = run_setup.model_config(config, model_path)
     if adapter and not model_cfg.lora_rank:
         raise ValueError(f"--adapter: {folder} is not a LoRA run's checkpoint (its model.lora_rank is 0)")
-    mesh = run_setup.make_mesh(config)
-    optimizer = run_setup.make_optimizer(config, total_rl_steps=max(1, config.train.max_steps))
-    ckpt = Checkpointer(folder.parent)
-    state, _ = ckpt.restore(int(folder.name), resume.saved_state(
-        model_cfg, run_setup.abstract_state(model_cfg, optimizer, mesh)))
-    ckpt.close()
+    # the devices at hand, whatever mesh the run trained on (orbax reshards as it reads)
+    mesh = shd.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+    params = lora.trainable(model_cfg, abstract_params(model_cfg))[0]  # what the checkpoint holds of them
+    shardings = lora.trainable(model_cfg, param_shardings(model_cfg, mesh))[0]
+    target = {"params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                     params, shardings)}
+    params = restore_subtree(folder, target)["params"]  # the parameters alone, not the AdamW moments
     if adapter:
-        return save_adapter(model_cfg, state["params"], out, base_model=config.model.path or str(model_path))
-    params = state["params"]
+        return save_adapter(model_cfg, params, out, base_model=config.model.path or str(model_path))
     if model_cfg.lora_rank:  # adapter-only: on the base model folder (its hash checked by read_checkpoint)
         params = lora.combine(load_params(model_path, model_cfg.replace(lora_rank=0), mesh), params)
     return save_pretrained(*lora.plain(model_cfg, params), out, tokenizer_dir=model_path)

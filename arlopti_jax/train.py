@@ -24,6 +24,7 @@ from arlopti_jax.rl import run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
 from arlopti_jax.rl.loop import train
+from arlopti_jax.store.checkpoint import CheckpointMismatch, CheckpointUnreadable
 
 COMMAND = Command(
     name="arlopti_jax.train", doc=__doc__, default_file=DEFAULT_CONFIG,
@@ -58,7 +59,11 @@ def main(argv) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     startup_done(COMMAND.name)
-    train(config, inputs)
+    try:
+        train(config, inputs)
+    except (CheckpointMismatch, CheckpointUnreadable) as err:  # found as the checkpoint is read
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

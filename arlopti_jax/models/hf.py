@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.models import hub
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.policy import abstract_params, param_shardings
 
@@ -183,7 +184,8 @@ PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_att
 def save_adapter(cfg: ModelConfig, params, out_dir: str | Path, base_model: str) -> Path:
     """Write the LoRA adapters of ``params`` as a PEFT adapter folder (``adapter_config.json`` and
     ``adapter_model.safetensors``), the layout PEFT's ``PeftModel.from_pretrained`` and vLLM's
-    ``LoRARequest`` read, for the Hugging Face model ``base_model`` (a folder or Hub id).
+    ``LoRARequest`` read, for the Hugging Face model ``base_model`` (a folder or Hub id; a pinned
+    ``ORG/NAME@REVISION`` is written as PEFT's ``base_model_name_or_path`` and ``revision``).
 
     PEFT's A is [r, in_features] and B [out_features, r] per layer, with the weight's input and
     output features flattened as the Hugging Face weight orders them (``_name_map``); ours are
@@ -205,7 +207,10 @@ def save_adapter(cfg: ModelConfig, params, out_dir: str | Path, base_model: str)
         return out
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+    base, revision = str(base_model), None
+    if not Path(base).is_dir() and hub.HUB_ID.fullmatch(base) and "@" in base:  # ORG/NAME@REV: PEFT's two fields
+        base, revision = base.split("@", 1)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": revision,
               "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
               "target_modules": sorted(PEFT_MODULES[t].split(".")[-1] for t in cfg.lora_targets),
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,

@@ -204,27 +204,31 @@ def write_generations(folder: Path, name: str, records: list[dict]) -> Path:
     return path
 
 
-def trim_jsonl(path: Path, last_step: int) -> None:
+def trim_jsonl(path: Path, last_step: int) -> int:
     """Keep the records of ``path`` up to ``last_step`` (-1: none of the training's): a run resumed
     from the checkpoint of ``last_step`` (or restarted) writes the later steps again, once each.
-    Records without a step (standalone ``eval``'s) are kept; a line that is not a JSON object (the
-    half-written last line of a killed run) is dropped."""
+    The records taken out are appended to ``<path>.replaced``, so nothing a run wrote is lost;
+    returns how many. Records without a step (standalone ``eval``'s) are kept; a line that is not
+    a JSON object (the half-written last line of a killed run) is moved out with them."""
     if jax.process_index() != 0 or not path.exists():
-        return
+        return 0
     text = path.read_text()
     lines = text.splitlines()
-    keep = []
+    keep, out = [], []
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("step", last_step) <= last_step:
-            keep.append(line)
-    if len(keep) < len(lines) or text and not text.endswith("\n"):
+            record = None
+        fits = isinstance(record, dict) and record.get("step", last_step) <= last_step
+        (keep if fits else out).append(line)
+    if out or text and not text.endswith("\n"):
+        with open(path.with_name(path.name + ".replaced"), "a") as f:
+            f.write("".join(line + "\n" for line in out))
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         tmp.replace(path)
+    return len(out)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

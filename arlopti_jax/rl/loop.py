@@ -122,7 +122,10 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         log.info("resumed from %s/%d", ckpt.directory, start_step)
     policy.params = None  # the trainer owns params from here (donated each step)
     for name in ("metrics.jsonl", "eval.jsonl"):  # the steps after the checkpoint are written again
-        trim_jsonl(run_dir / name, start_step if restored is not None else -1)
+        moved = trim_jsonl(run_dir / name, start_step if restored is not None else -1)
+        if moved:
+            log.warning("%d records of %s after step %d moved to %s.replaced: this run writes those steps again",
+                        moved, run_dir / name, start_step, name)
 
     diagnose_every = config.train.diagnostics_every
     grad_norms_fn = algos.make_quartile_grad_norms(train_step) if diagnose_every else None
@@ -147,9 +150,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     def save(step, eval_pending=False):  # eval_pending: the step's evaluation is left to the resumed run
         state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
         ckpt.save(step, resume.saved_state(model_cfg, state),
-                  {"step": step, "data": iterator.state_dict(), "model_path": str(model_path),
-                   "config": config.to_json_best_effort(), "eval_pending": eval_pending,
-                   **({"base_sha256": inputs.base_sha256} if model_cfg.lora_rank else {})})
+                  resume.checkpoint_record(config, step, iterator.state_dict(), model_path, inputs.base_sha256,
+                                           eval_pending))
 
     if test_sets and config.train.eval_before and start_step == 0:
         history["before"] = evaluate(0)

@@ -25,8 +25,9 @@ from arlopti_jax import algos
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
-from arlopti_jax.rl.resume import check_base, check_resume
+from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings
 from arlopti_jax.rollout import Sampler, SamplingConfig
+from arlopti_jax.tasks import load_reward_fn
 from arlopti_jax.tasks.data import BatchIterator, PromptDataset, resolve_data_files
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
         ModelConfig.from_pretrained(model)  # an architecture this project does not implement stops here
     except ValueError as err:
         raise ValueError(f"config.model.path={config.model.path or model}: {err}") from None
+    if build and not any(Path(model).glob("*.safetensors")):  # pickled weights are never read
+        found = sorted(p.name for p in Path(model).glob("*.bin"))
+        raise FileNotFoundError(f"config.model.path={config.model.path or model}: no *.safetensors weights in "
+                                f"{model}" + (f" (only {', '.join(found[:3])}: pickled weights are not read; "
+                                              "convert them to safetensors)" if found else ""))
 
     def files(field, value):
         try:
@@ -85,17 +91,6 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
             raise type(err)(f"config.data.{field}: {err}") from None
 
     return Path(model), files("train_files", train) if need_train else [], files("test_files", test)
-
-
-def model_settings(config) -> dict:
-    """The ModelConfig fields the run's config sets beside the model's shape: numerics and LoRA."""
-    m = config.model
-    targets = tuple(t for t in str(m.get("lora_targets", "q")).split(",") if t)  # .get: checkpoints from before LoRA
-    return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, unroll_layers=m.unroll_layers,
-                attention=m.get("attention", "auto"),
-                decode_attention=m.get("decode_attention", "auto"),
-                decode_matmul=m.get("decode_matmul", "xla"), lora_rank=int(m.get("lora_rank", 0)),
-                lora_alpha=float(m.get("lora_alpha", 16.0)), lora_targets=targets)
 
 
 def model_config(config, model_path: Path) -> ModelConfig:
@@ -206,8 +201,9 @@ def longest_prompt(datasets) -> int:
 def prepare_inputs(config) -> Inputs:
     """The run's paths, tokenizer and prompt datasets, with ``config.resume`` checked against
     ``run_dir`` (``check_resume``): a command's start-up calls this, so a missing path, a bad
-    resume setting, a data file that cannot be read or a training set that cannot fill one batch
-    of ``train.batch_prompts`` prompts stops it in one line (FileNotFoundError or ValueError naming
+    resume setting, a data file that cannot be read, a training set that cannot fill one batch
+    of ``train.batch_prompts`` prompts or a checkpoint to resume from that this config cannot
+    continue (``check_checkpoint``) stops it in one line (FileNotFoundError or ValueError naming
     the field), before the weights are loaded."""
     model_path, train_files, test_files = resolve_paths(config)
     check_resume(config)
@@ -228,6 +224,9 @@ def prepare_inputs(config) -> Inputs:
                          f"config.data.train_files ({', '.join(map(str, train_files))}, after "
                          f"data.max_prompt_length={config.data.max_prompt_length}): {err}") from None
     test_sets = {eval_set_name(f): dataset("test_files", [f]) for f in test_files}
+    check_checkpoint(config, model_config(config, model_path), iterator)  # the one it resumes from, if any
+    optim_config(config, total_steps(config, iterator))  # a schedule that spans the run
+    load_reward_fn(config.reward.fn or None)  # a reward module that does not import stops here
     return Inputs(model_path, tokenizer, iterator, test_sets, digest)
 
 
@@ -274,16 +273,23 @@ def algo_configs(config):
     return adv, weights, lopti, loss
 
 
-def optim_config(config, total_rl_steps: int) -> algos.OptimConfig:
-    """The config's AdamW settings, its schedule counted in optimizer steps over ``total_rl_steps``."""
+def optim_config(config, total_rl_steps: int | None) -> algos.OptimConfig:
+    """The config's AdamW settings, its schedule counted in optimizer steps over ``total_rl_steps``
+    (None: a command that never updates, eval or export, which needs the optimizer state's shapes
+    alone). ValueError, one line naming the fields, where the schedule cannot span the run."""
     o = config.optim
+    per_step = optimizer_steps_per_rl_step(config)
+    total = o.warmup_steps + 1 if total_rl_steps is None else total_rl_steps * per_step
+    if o.schedule == "warmup_cosine" and total <= o.warmup_steps:
+        raise ValueError(f"config.optim.warmup_steps={o.warmup_steps}: the warmup_cosine schedule needs more "
+                         f"optimizer steps than its warm-up, and this run has {total} ({total_rl_steps} RL steps x "
+                         f"{per_step}); raise train.max_steps or train.epochs, or lower optim.warmup_steps")
     return algos.OptimConfig(lr=o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, eps=o.eps,
                              grad_clip=o.grad_clip, schedule=o.schedule, warmup_steps=o.warmup_steps,
-                             min_lr_ratio=o.min_lr_ratio,
-                             total_steps=total_rl_steps * optimizer_steps_per_rl_step(config))
+                             min_lr_ratio=o.min_lr_ratio, total_steps=total)
 
 
-def make_optimizer(config, total_rl_steps: int):
+def make_optimizer(config, total_rl_steps: int | None):
     return algos.make_optimizer(optim_config(config, total_rl_steps))
 
 

@@ -251,9 +251,14 @@ class BatchIterator:
             "drop_last": self.drop_last,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> None:
+        """ValueError where ``state`` (another iterator's ``state_dict``) is not a position in this
+        iterator's order: another seed, batch size, dataset size or ``drop_last``."""
         for key in ("seed", "batch_size", "dataset_size", "drop_last"):
             mine = self.state_dict()[key]
             if key in state and state[key] != mine:
                 raise ValueError(f"cannot resume: saved {key}={state[key]!r}, this iterator has {mine!r}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.epoch, self.index = int(state["epoch"]), int(state["index"])

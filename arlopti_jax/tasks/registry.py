@@ -96,23 +96,27 @@ def compute_score(
 
 
 def load_reward_fn(spec: str | None = None) -> RewardFn:
-    """None -> compute_score; 'package.module:function' -> that function."""
+    """None -> compute_score; 'package.module:function' -> that function. ValueError, one line
+    naming ``config.reward.fn``, where the spec is malformed, its module does not import or it
+    names no function: commands call this at start-up, before the weights load."""
     if spec is None:
         return compute_score
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
-        raise ValueError(f"reward function spec must look like 'package.module:function', got {spec!r}")
+        raise ValueError(f"config.reward.fn={spec!r}: must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"cannot import module {module_name!r} of reward spec {spec!r}: {e}") from e
+    except Exception as e:  # ImportError, or whatever the module raises as it is imported
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"config.reward.fn={spec!r}: cannot import module {module_name!r} "
+                         f"({type(e).__name__}: {reason})") from None
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise AttributeError(f"reward spec {spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"config.reward.fn={spec!r}: module {module_name!r} has no attribute {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise TypeError(f"reward spec {spec!r} names a {type(fn).__name__}, not a function")
+        raise ValueError(f"config.reward.fn={spec!r} names a {type(fn).__name__}, not a function")
     return fn
 
 

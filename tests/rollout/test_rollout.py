@@ -424,7 +424,7 @@ def test_a_traced_greedy_flag_draws_what_each_static_program_draws(platform, ker
     of the Python flag's two programs, greedy being numpy's first argmax of the logits, on each
     platform's argmax path, with ties and masked-out tokens, at two temperatures; the log-probs agree
     to float32 rounding (XLA may round ``logits / T`` differently in two separately compiled small
-    programs; the sampler's own programs are compared bit for bit below)."""
+    programs, as they may the sampler's own programs below)."""
     from arlopti_jax.rollout import sample_tokens
 
     monkeypatch.setattr(shd, "platform", lambda: platform)
@@ -474,9 +474,10 @@ def _static_flag_sampler(cfg, mesh):
 def test_greedy_and_sampled_decoding_share_one_compiled_program(policy, kw):
     """Greedy decoding, then sampling with the same kernel settings (``kernel_key``) at the same
     shapes on other prompts, then greedy again, run the same compiled prefill, start and decode
-    loops: no compile after the first call. Each call's tokens and log-probs equal, bit for bit,
-    those of programs compiled for the one flag (``_static_flag_sampler``), and
-    ``reference_generate``'s (straight-line layers, no cache) to float32 rounding."""
+    loops: no compile after the first call. Each call's tokens equal those of programs compiled for
+    the one flag (``_static_flag_sampler``), and its log-probs theirs to float32 rounding (two
+    differently compiled programs may round differently: 4.8e-7 apart on an AVX-512 machine); both
+    agree with ``reference_generate``'s (straight-line layers, no cache) to float32 rounding."""
     cfg, params, _ = policy
     sampler, static = Sampler(cfg, policy[2].mesh), _static_flag_sampler(cfg, policy[2].mesh)
     compiles = []
@@ -503,7 +504,7 @@ def test_greedy_and_sampled_decoding_share_one_compiled_program(policy, kw):
                 assert {"start", "decode"} <= {name.split("(")[-1].rstrip(")") for name in compiles[before:]}, \
                     compiles[before:]
             np.testing.assert_array_equal(roll.response_ids, want.response_ids)
-            np.testing.assert_array_equal(roll.logprobs, want.logprobs)  # bit for bit
+            np.testing.assert_allclose(roll.logprobs, want.logprobs, rtol=1e-6, atol=2e-6)
             tokens, logprobs, mask = reference_generate(cfg, params, prompts[mode], N, key, sampling)
             np.testing.assert_array_equal(roll.response_ids, tokens)
             np.testing.assert_array_equal(roll.response_mask, mask)
