@@ -149,7 +149,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.export_at_end = True
     c.train.diagnostics_every = 0  # gradient norm per pi_old quartile every this many steps; 0 = off
     c.train.diagnostics_rows = 0  # rows it is measured on: 0 = the first mini-batch, -1 = the whole batch
-    c.train.isolation_experiment = True  # with the diagnostics: the isolation experiment at the first step
+    # with the diagnostics: the isolation experiment at the first step; off by default, since its one
+    # fresh-AdamW step cannot show what the paper's Figure 1 shows (field_docs.py says why)
+    c.train.isolation_experiment = False
 
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = ""  # "" = built-in router by data_source; or "module:function"
@@ -245,8 +247,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(t.batch_prompts >= 1, "train.batch_prompts", t.batch_prompts, "must be >= 1")
     _check(t.mini_batch >= 1 and responses % t.mini_batch == 0, "train.mini_batch", t.mini_batch,
            f"must divide train.batch_prompts x rollout.n = {responses}")
-    _check(t.micro_batch >= 1 and t.mini_batch % t.micro_batch == 0, "train.micro_batch", t.micro_batch,
-           f"must divide train.mini_batch = {t.mini_batch}")
+    sized_by_rows = t.max_tokens_per_micro_batch == 0  # else the token budget sizes the micro-batch, not micro_batch
+    _check(not sized_by_rows or t.micro_batch >= 1 and t.mini_batch % t.micro_batch == 0, "train.micro_batch",
+           t.micro_batch, f"must divide train.mini_batch = {t.mini_batch}")
     for field in ("epochs", "eval_every", "save_every", "keep_checkpoints", "samples_every", "eval_n",
                   "pack_row_lengths", "pack_fills"):
         _check(t[field] >= 1, f"train.{field}", t[field], "must be >= 1")
@@ -285,7 +288,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
         except ValueError as err:
             raise ConfigError(f"config.mesh={dict(c.mesh)} is invalid: {err}") from None
         per = sizes["data"] * sizes["fsdp"]
-        _check(t.micro_batch % per == 0, "train.micro_batch", t.micro_batch,
+        _check(not sized_by_rows or t.micro_batch % per == 0, "train.micro_batch", t.micro_batch,
                f"must be divisible by the mesh's data x fsdp = {per} (batch is split over those axes)")
 
 

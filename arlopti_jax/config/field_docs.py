@@ -147,15 +147,19 @@ FIELD_DOCS = {
     "train.samples_every": "sample completions to TensorBoard every this many steps",
     "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",
     "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
-                               "this many steps, and at the first step the isolation experiment "
-                               "(`isolation/{low,high}_q{1..4}`, unless `isolation_experiment` is off); 0 = off",
+                               "this many steps, and with `isolation_experiment` at the first step the isolation "
+                               "experiment (`isolation/{low,high}_q{1..4}`); 0 = off",
     "train.diagnostics_rows": "the rows of the rollout batch those gradient norms are measured on: 0 = the step's "
                               "first mini-batch (`train.mini_batch` rows), -1 = the whole batch (comparable across "
                               "mini-batch sizes: `reproduce --matched` uses it), N = the first N rows",
     "train.isolation_experiment": "with `diagnostics_every`, run the isolation experiment once, before the first "
                                   "update: one optimizer step on the lowest and one on the highest pi_old quartile's "
                                   "tokens from a copy of the policy (two extra steps and three log-prob passes; "
-                                  "training does not change)",
+                                  "training does not change). Off by default: that step is a fresh AdamW one, "
+                                  "about lr x sign(gradient) for every weight whatever the gradient's size, so it "
+                                  "cannot show one quartile's gradient outweighing another's as the paper's "
+                                  "Figure 1 does (docs/results/real_model.md, section 4); "
+                                  "`analysis/mechanism.py` measures it with an SGD step",
     "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
                  "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
     "reward.workers": "parallel scoring processes; 0 = the built-in rewards score in the trainer's process (K&K "

@@ -154,7 +154,7 @@ class MatchedSweep(Sweep):
                        self.diagnostics_every, eval_before, self.scale, dtype, optimizer_steps=self.optimizer_steps,
                        lr=self.lr_of(variant), data=self.data)
         c.train.diagnostics_rows = -1  # the quartile norms on the whole batch: methods' mini-batches differ
-        c.train.isolation_experiment = False  # the report does not read it (about 3 minutes a run on 2 cores)
+        c.train.isolation_experiment = False  # run_config turns it on; this report does not read it
         return c
 
     def describe(self, name, config) -> dict:

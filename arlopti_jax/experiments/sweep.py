@@ -176,6 +176,7 @@ def run_config(base, variant: str, seed: int, run_dir: Path, start_point: Path, 
         c.train.eval_max_prompts = eval_prompts
     if diagnostics_every and "diagnostics_every" in c.train:
         c.train.diagnostics_every = diagnostics_every
+        c.train.isolation_experiment = True  # the report's isolation rows (one fresh-AdamW step: see its field)
     return c
 
 

@@ -175,7 +175,10 @@ def write_report(results: dict, out: Path, command: str) -> Path:
                   "Gradient norm of the loss restricted to each pi_old quartile's tokens (logged every "
                   f"{results.get('diagnostics_every', '?')} steps), and the isolation experiment: from the start "
                   "point and each run's first batch, one optimizer step on only the lowest-quartile tokens, or "
-                  "only the highest-quartile tokens, and the change of every quartile's mean probability.", "",
+                  "only the highest-quartile tokens, and the change of every quartile's mean probability. "
+                  "That step is a fresh AdamW one (about lr x sign(gradient) for every weight), so it understates "
+                  "the effect: `analysis/mechanism.py` measures it with SGD (docs/results/real_model.md, "
+                  "section 4).", "",
                   mechanism_table(results), "", f"![mechanism]({figure.name})", ""]
     path = out / "reproduction.md"
     path.write_text("\n".join(lines))

@@ -166,8 +166,14 @@ def fused_layers(cfg: ModelConfig, length: int, cache: dict | None) -> bool:
     if cfg.decode_matmul != "pallas" or length != 1 or cache is None or not isinstance(cache["k"], (list, tuple)):
         return False
     mesh = jax.sharding.get_abstract_mesh()
-    split = lambda name: any(mesh.shape[a] > 1 for a in _mesh_axes(name)) if not mesh.empty else False
-    return decode_kernel(cfg) and not any(split(name) for name in ("embed", "heads", "kv_heads", "mlp", "head_dim"))
+    return decode_kernel(cfg) and not (split_weight_axes(dict(mesh.shape)) if not mesh.empty else [])
+
+
+def split_weight_axes(mesh_shape: dict) -> list[str]:
+    """The weights' logical axes that the current logical rules split over a mesh axis of more than
+    one device (``mesh_shape``: axis name -> size): where there are any, ``fused_layers`` is off."""
+    return [name for name in ("embed", "heads", "kv_heads", "mlp", "head_dim")
+            if any(mesh_shape.get(a, 1) > 1 for a in _mesh_axes(name))]
 
 
 def _mesh_axes(logical: str) -> tuple[str, ...]:

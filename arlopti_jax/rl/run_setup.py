@@ -224,10 +224,19 @@ def prepare_inputs(config) -> Inputs:
                          f"config.data.train_files ({', '.join(map(str, train_files))}, after "
                          f"data.max_prompt_length={config.data.max_prompt_length}): {err}") from None
     test_sets = {eval_set_name(f): dataset("test_files", [f]) for f in test_files}
-    check_checkpoint(config, model_config(config, model_path), iterator)  # the one it resumes from, if any
-    optim_config(config, total_steps(config, iterator))  # a schedule that spans the run
+    model_cfg = model_config(config, model_path)
+    if config.rollout.top_k > model_cfg.vocab_size:
+        raise ValueError(f"config.rollout.top_k={config.rollout.top_k} exceeds the model's vocabulary "
+                         f"({model_cfg.vocab_size} tokens, {model_path})")
+    check_checkpoint(config, model_cfg, iterator)  # the one it resumes from, if any
     load_reward_fn(config.reward.fn or None)  # a reward module that does not import stops here
-    return Inputs(model_path, tokenizer, iterator, test_sets, digest)
+    inputs = Inputs(model_path, tokenizer, iterator, test_sets, digest)
+    # everything the run computes from its config, built once here without weights (nothing compiles
+    # or allocates): a schedule the steps cannot span, a packing the budget cannot hold... stop here
+    policy = Policy(model_cfg, None, tokenizer, model_path)
+    assemble(config, make_mesh(config), model_cfg, eos_ids=eos_ids(policy), pad_id=pad_id(policy),
+             total_steps=total_steps(config, iterator), prompt_width=inputs.longest_prompt)
+    return inputs
 
 
 def total_steps(config, iterator: BatchIterator) -> int:
@@ -248,9 +257,16 @@ def tokens_per_micro_batch(config, mesh) -> int:
 def pack_shapes(config, mesh) -> algos.packing.Shapes:
     """The packed micro-batch shapes of the run's update and log-prob passes (``packing.Shapes``):
     fixed by the config, so every program of those passes is known before the first step."""
-    return algos.packing.shapes_for(tokens_per_micro_batch(config, mesh),
-                                    config.data.max_prompt_length + config.rollout.max_response_length,
-                                    config.train.pack_row_lengths, config.train.pack_fills)
+    tokens = tokens_per_micro_batch(config, mesh)
+    longest = config.data.max_prompt_length + config.rollout.max_response_length
+    try:
+        return algos.packing.shapes_for(tokens, longest, config.train.pack_row_lengths, config.train.pack_fills)
+    except ValueError as err:
+        raise ValueError(f"config.train.max_tokens_per_micro_batch={config.train.max_tokens_per_micro_batch} (a "
+                         f"packed micro-batch of {tokens} tokens per device; train.pack_row_lengths="
+                         f"{config.train.pack_row_lengths}, train.pack_fills={config.train.pack_fills}) cannot hold "
+                         f"a sequence of data.max_prompt_length + rollout.max_response_length = {longest}: {err}") \
+            from None
 
 
 def optimizer_steps_per_rl_step(config) -> int:

@@ -58,8 +58,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import NamedTuple, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +69,7 @@ import numpy as np
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models import decode
 from arlopti_jax.models.decode import CACHE_AXES
 from arlopti_jax.rollout import programs
 from arlopti_jax.rollout.output import Rollout
@@ -76,6 +79,9 @@ from arlopti_jax.rollout.sampling import SamplingConfig, bucket
 Array = jax.Array
 
 SAMPLING_WEIGHTS = "sampling weights"  # ``programs``' name of the weights' copy (``aot`` holds it through a rollout)
+log = logging.getLogger(__name__)
+_warn_once = functools.cache(log.warning)  # a run builds its sampler at start-up and again in the loop
+
 WHOLE_WEIGHTS = ("auto", "on", "off")  # ``Sampler``'s whole_weights, ``rollout.whole_weights``
 
 
@@ -171,6 +177,13 @@ class Sampler:
         if self.whole_weights:
             rules = shd.weights_off_batch_axes(rules)
         self.cfg, self.mesh, self.rules = model_cfg, mesh, rules
+        if model_cfg.decode_matmul == "pallas":
+            with nn.logical_axis_rules(rules):
+                split = decode.split_weight_axes(dict(mesh.shape))
+            if split:  # fused_layers falls back to XLA's products: say so where the run starts
+                _warn_once(f"model.decode_matmul=pallas: the sampler's mesh {dict(mesh.shape)} splits the weights' "
+                           f"{', '.join(split)} axes, and the fused products take whole weights: the decode steps "
+                           "use XLA's products (rollout.whole_weights=on or a mesh without those splits keeps them)")
         self.devices = shd.batch_divisor(mesh)
         self._prefill = jax.jit(functools.partial(programs.prefill, model_cfg))
         self._start = jax.jit(programs.start, static_argnames=("n", "max_len", "slots", "kernel"))
@@ -183,7 +196,7 @@ class Sampler:
         self._cast = None
         per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
         if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer or self._lora or self.whole_weights:
-            from arlopti_jax.models import decode, lora, param_shardings
+            from arlopti_jax.models import lora, param_shardings
 
             dtype, shardings = model_cfg.compute_dtype, param_shardings(model_cfg, mesh, rules)
 

@@ -129,6 +129,11 @@ def test_the_exported_peft_adapter_and_merged_folder_give_our_logits_in_transfor
     with torch.no_grad():
         theirs = adapted(torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(theirs, ours, atol=2e-3)
+    # a pinned Hub base: PEFT's repo id and revision fields, not "ORG/NAME@REV" as an id
+    save_adapter(cfg, params, tmp_path / "pinned", base_model="Org/Base-1.5B@0a1b2c3")
+    pinned = peft.PeftConfig.from_pretrained(tmp_path / "pinned")
+    assert (pinned.base_model_name_or_path, pinned.revision) == ("Org/Base-1.5B", "0a1b2c3")
+    assert peft.PeftConfig.from_pretrained(tmp_path / "adapter").base_model_name_or_path == str(folder)
 
     save_pretrained(base_cfg, lora.merge(cfg, params), tmp_path / "merged")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()

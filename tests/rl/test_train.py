@@ -50,7 +50,7 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
     kill + resume=auto reproduces the uninterrupted run."""
     values = overrides(start_point, tmp_path / "a", **{
         "algo.filter_groups": True, "algo.max_sample_rounds": 3, "train.diagnostics_every": 1,
-        "reward.fn": "reward_fixtures:half_constant_reward", "reward.workers": 0,
+        "reward.fn": "reward_fixtures:half_constant_reward", "reward.workers": 0, "train.isolation_experiment": True,
         "data.max_prompt_length": 128,  # one prompt-length bucket: fewer compilations
         "data.test_files": str(start_point / "data" / "test_2ppl.parquet"), "train.eval_every": 4,
         "train.eval_n": 4, "train.eval_ks": (1, 2, 4), "train.eval_temperature": 0.9, "train.eval_max_prompts": 4})

@@ -514,3 +514,21 @@ def test_greedy_and_sampled_decoding_share_one_compiled_program(policy, kw):
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert sampler._prefill._cache_size() == 1
+
+
+def test_the_fused_products_falling_back_to_xla_is_said_once_where_the_sampler_is_built(caplog):
+    """``model.decode_matmul=pallas`` takes whole weights: a mesh that splits them (fsdp=8, without
+    ``whole_weights``) makes ``fused_layers`` fall back to XLA's products, and the sampler says so."""
+    from arlopti_jax.rollout import sampler as sampler_module
+
+    sampler_module._warn_once.cache_clear()
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, decode_attention="pallas", decode_matmul="pallas")
+    said = lambda: [r.getMessage() for r in caplog.records if "decode_matmul=pallas" in r.getMessage()]
+    Sampler(cfg, shd.make_mesh({"fsdp": -1}), whole_weights="on")  # whole copies: the kernels apply
+    Sampler(cfg, shd.make_mesh({"data": -1}), whole_weights="off")  # rows split, weights whole
+    Sampler(cfg.replace(decode_matmul="xla"), shd.make_mesh({"fsdp": -1}), whole_weights="off")
+    assert said() == []
+    for _ in range(2):
+        Sampler(cfg, shd.make_mesh({"fsdp": -1}), whole_weights="off")
+    assert len(said()) == 1 and "splits the weights' embed axes" in said()[0] and "XLA's products" in said()[0]
