@@ -3,19 +3,6 @@
 __version__ = "0.1.0"
 
 
-def _default_to_cpu_without_accelerators() -> None:
-    """``JAX_PLATFORMS=cpu`` by default on a machine with no GPU or TPU device files. The
-    compile-only compilers of ``.[aot]`` (libtpu, the CUDA plugin) would otherwise each try to
-    start their backend in every process, print errors, and fall back to the CPU; with no
-    accelerator there is nothing else they could start. A set ``JAX_PLATFORMS`` is kept."""
-    import glob
-    import os
-
-    if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(p) for p in ("/dev/nvidia*", "/dev/accel*",
-                                                                            "/dev/vfio/[0-9]*")):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-
-
 def _cpu_collectives_in_one_order() -> None:
     """With several host devices in one process (``--xla_force_host_platform_device_count=N``, as
     the tests and CPU rehearsals of a mesh use), XLA:CPU's concurrency-optimized scheduler can let
@@ -31,51 +18,37 @@ def _cpu_collectives_in_one_order() -> None:
         os.environ["XLA_FLAGS"] = flags + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
-def _import_jax_without_cuda_stub_lines() -> None:
-    """Import JAX with two lines of native start-up logging removed from stderr.
-
-    The CUDA plugin that ``.[aot]`` installs (the compiler of the compile-only H100 target)
-    loads its libraries whenever JAX starts, and on a machine without a GPU each load logs
-    "Could not find cuda drivers on your machine" (with absl's "before InitializeLog" banner)
-    from C++, where no Python or environment setting reaches: every command's stderr would
-    open with six such lines. The import runs with the process's stderr captured; every other
-    line is written back unchanged."""
-    import importlib.util
-    import os
-    import re
+def _import_jax_quietly() -> None:
+    """Import JAX with the lines the compile-only CUDA plugin prints from C++ as its libraries load
+    on a machine without a GPU ("Could not find cuda drivers", with absl's banner: six lines no
+    Python or environment setting reaches) taken out of stderr; every other line is written back.
+    The backend's start does the same (``runtime.chips.start_backend``)."""
     import sys
-    import tempfile
 
-    if ("jax" in sys.modules or os.environ.get("JAX_PLATFORMS") != "cpu"
-            or importlib.util.find_spec("jax_plugins") is None):
+    if "jax" in sys.modules:
         return
-    try:
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-            return
-        saved = os.dup(2)
-    except (ImportError, OSError, ValueError):
-        return
-    noise = re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers|"
-                       r"^WARNING: All log messages before absl::InitializeLog\(\) is called")
-    with tempfile.TemporaryFile() as captured:
-        sys.stderr.flush()
-        os.dup2(captured.fileno(), 2)
+    from arlopti_jax.runtime.platforms import plugin_noise_removed
+
+    with plugin_noise_removed():
         try:
             import jax  # noqa: F401
-            from jax._src import xla_bridge
-
-            xla_bridge._discover_and_register_pjrt_plugins()  # the plugin's libraries load here too
         except Exception:  # any import problem shows itself again at the caller's own import
             pass
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        captured.seek(0)
-        kept = [line for line in captured.read().decode(errors="replace").splitlines() if not noise.search(line)]
-    if kept:
-        sys.stderr.write("\n".join(kept) + "\n")
 
 
-_default_to_cpu_without_accelerators()
+def _platforms_that_can_start() -> None:
+    """JAX's platform list without the compile-only plugins whose devices are absent
+    (``runtime.platforms``), as JAX's own setting in this process alone: a child process decides
+    again, and the start-up line says what was left out."""
+    from arlopti_jax.runtime.platforms import leave_out_absent_accelerators
+
+    platforms = leave_out_absent_accelerators()
+    if platforms:
+        import jax
+
+        jax.config.update("jax_platforms", platforms)
+
+
 _cpu_collectives_in_one_order()
-_import_jax_without_cuda_stub_lines()
+_import_jax_quietly()
+_platforms_that_can_start()

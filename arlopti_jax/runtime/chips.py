@@ -44,6 +44,16 @@ def backend() -> str:
     return jax.default_backend()
 
 
+def start_backend() -> None:
+    """Start JAX's backend (``jax.devices()``) without the compile-only CUDA plugin's driver lines
+    on stderr (``runtime.platforms``). Commands call it through ``print_backend``, after
+    ``jax.distributed``'s start."""
+    from arlopti_jax.runtime.platforms import plugin_noise_removed
+
+    with plugin_noise_removed():
+        jax.devices()
+
+
 def describe_devices(devices=None) -> str:
     """One line naming the backend and the devices a command runs on, e.g. ``backend: gpu, 1 x
     NVIDIA H200 (jax 0.11.2)`` or ``backend: cpu, 8 devices (jax 0.11.2)``; with several processes,
@@ -58,11 +68,16 @@ def describe_devices(devices=None) -> str:
         what = ", ".join(f"{count} x {kind}" for kind, count in Counter(d.device_kind for d in devices).items())
     processes = len({d.process_index for d in devices})
     over = f" over {processes} processes" if processes > 1 else ""
-    return f"backend: {platform}, {what}{over} (jax {jax.__version__})"
+    from arlopti_jax.runtime.platforms import LEFT_OUT
+
+    left = ("; left out: " + ", ".join(f"{p} ({why})" for p, why in LEFT_OUT.items())
+            + " (JAX_PLATFORMS chooses)") if LEFT_OUT and platform == "cpu" else ""
+    return f"backend: {platform}, {what}{over} (jax {jax.__version__}){left}"
 
 
 def print_backend() -> None:
     """Print ``describe_devices()`` from process 0 (the others print nothing): train, eval and
     sft say at start-up what they run on."""
+    start_backend()
     if jax.process_index() == 0:
         print(describe_devices(), flush=True)

@@ -110,7 +110,7 @@ def initialize(config) -> bool:
     settings = cluster_settings(config)
     if settings is None:
         return False
-    if "cpu" in os.environ.get("JAX_PLATFORMS", "").split(","):
+    if "cpu" in (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_s))
     log.info("process %d of %d: %d local devices of %d", jax.process_index(), jax.process_count(),
