@@ -7,8 +7,9 @@
 Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts (optionally
 dropping zero-advantage groups and drawing more: ``algo.filter_groups``), score them,
 compute advantages and token weights, update the policy (twice with Lopti), log to
-TensorBoard, checkpoint, evaluate. SIGTERM saves a checkpoint and exits; ``resume=auto``
-continues from the newest good checkpoint with the same data order and RNG.
+TensorBoard, checkpoint, evaluate. SIGTERM saves a checkpoint and exits with code 75 (0 when
+finished, 2 for a bad input); ``resume=auto`` continues from the newest good checkpoint with the
+same data order and RNG.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.rl import run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
-from arlopti_jax.rl.loop import train
+from arlopti_jax.rl.loop import STOPPED_EXIT_CODE, train
 from arlopti_jax.store.checkpoint import CheckpointMismatch, CheckpointUnreadable
 
 COMMAND = Command(
@@ -60,11 +61,11 @@ def main(argv) -> int:
         return 2
     startup_done(COMMAND.name)
     try:
-        train(config, inputs)
+        summary = train(config, inputs)
     except (CheckpointMismatch, CheckpointUnreadable) as err:  # found as the checkpoint is read
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return STOPPED_EXIT_CODE if summary["preempted"] else 0  # 75: a stop signal ended it, resume me
 
 
 def _cli():

@@ -2,13 +2,16 @@
 # Start N JAX processes on this machine, each with its own fake CPU devices, joined by
 # jax.distributed over localhost (gloo collectives): a multi-host run in miniature, for testing.
 #
-#   launch/local.sh N [--devices D] [--port PORT] [--module MODULE] [--logs DIR] -- [ARGS...]
+#   launch/local.sh N [--devices D] [--port PORT] [--module MODULE] [--logs DIR] [--own-dirs] -- [ARGS...]
 #
 #   N         processes (process ids 0 .. N-1)
 #   D         fake CPU devices per process (default 1): --xla_force_host_platform_device_count
 #   PORT      coordinator port on localhost (default: a free port)
 #   MODULE    python module to run (default arlopti_jax.train)
 #   DIR       per-process logs DIR/process_<i>.log (default: a new temporary folder)
+#   --own-dirs  each process runs as if on a host of its own: in DIR/process_<i>/ as its working
+#             directory, with its own TMPDIR and ARLOPTI_STAGING there (no shared disk but what
+#             the flags name: a bucket, or absolute paths)
 #   ARGS      the module's flags, the same for every process (e.g. --config.run_dir=runs/x)
 #
 # Process 0's output goes to this terminal as well as to its log. When one process fails,
@@ -25,12 +28,14 @@ devices=1
 port=""
 module="arlopti_jax.train"
 logs=""
+own_dirs=0
 while [[ $# -gt 0 ]]; do
   case $1 in
     --devices) devices=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
     --module) module=$2; shift 2 ;;
     --logs) logs=$2; shift 2 ;;
+    --own-dirs) own_dirs=1; shift ;;
     --) shift; break ;;
     *) usage ;;
   esac
@@ -57,6 +62,11 @@ trap 'cleanup; exit 143' TERM INT
 for ((i = 0; i < num; i++)); do
   log="$logs/process_$i.log"
   (
+    if [[ $own_dirs -eq 1 ]]; then
+      mkdir -p "$logs/process_$i/tmp" "$logs/process_$i/staging"
+      cd "$logs/process_$i"
+      export TMPDIR="$logs/process_$i/tmp" ARLOPTI_STAGING="$logs/process_$i/staging"
+    fi
     export JAX_PLATFORMS=cpu
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices"
     args=("$@" "--config.distributed.coordinator=localhost:$port"

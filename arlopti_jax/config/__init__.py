@@ -144,6 +144,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_max_prompts = -1  # cap per data_source for quick evaluation; -1 = all
     c.train.save_generations = True  # every evaluation's responses, per test set, as jsonl
     c.train.save_every = 20
+    c.train.save_every_s = 0.0  # also a checkpoint when this many seconds passed since the last (0 = off)
+    c.train.grace_s = 30.0  # the seconds a stop signal leaves before SIGKILL (Spot VMs, SLURM's default)
     c.train.keep_checkpoints = 3
     c.train.samples_every = 10  # sample completions to TensorBoard
     c.train.export_at_end = True
@@ -254,6 +256,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
                   "pack_row_lengths", "pack_fills"):
         _check(t[field] >= 1, f"train.{field}", t[field], "must be >= 1")
     _check(t.max_steps == -1 or t.max_steps >= 1, "train.max_steps", t.max_steps, "must be -1 or >= 1")
+    _check(t.save_every_s >= 0, "train.save_every_s", t.save_every_s, "must be >= 0 (0 = off)")
+    _check(t.grace_s > 0, "train.grace_s", t.grace_s, "must be > 0")
     longest = c.data.max_prompt_length + c.rollout.max_response_length
     _check(t.max_tokens_per_micro_batch == 0 or t.max_tokens_per_micro_batch >= longest,
            "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch,

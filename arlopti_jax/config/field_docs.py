@@ -143,6 +143,12 @@ FIELD_DOCS = {
     "train.save_generations": "keep every evaluation's responses (row, mode, response, extracted answer, score) as "
                               "`run_dir/generations/<step or eval-time>/<test set>.jsonl`",
     "train.save_every": "asynchronous orbax checkpoint every this many steps (and at the end, and on SIGTERM)",
+    "train.save_every_s": "also a checkpoint at the end of the first step when this many seconds have passed "
+                          "since the last one (0 = off): steps can be hours apart, a preemption minutes",
+    "train.grace_s": "the seconds a stop signal (SIGTERM, SIGINT) leaves before SIGKILL: Spot VMs and SLURM's "
+                     "default give 30. The run checkpoints at its next stop point (after the rollout, the update "
+                     "or an evaluation), waits for the save, logs its seconds against this (a warning when over) "
+                     "and exits with code 75 (stopped, resume me)",
     "train.keep_checkpoints": "checkpoints kept",
     "train.samples_every": "sample completions to TensorBoard every this many steps",
     "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",

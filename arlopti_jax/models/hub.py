@@ -6,7 +6,8 @@
 
 A Hub id goes through ``huggingface_hub.snapshot_download``, so its cache (``HF_HOME``,
 ``HF_HUB_CACHE``), ``HF_HUB_OFFLINE`` and tokens behave as in transformers: a snapshot already in the
-cache is used without the network, and offline nothing else is tried. Only the files this
+cache is used without the network, and offline nothing else is tried. The processes of one host
+download once: the first holds a lock beside the cache while the others wait for it. Only the files this
 project reads are fetched (config, tokenizer, safetensors weights); no code from the Hub is run
 (there is no ``trust_remote_code``) and no pickled weights are read. A path that is neither a
 folder here nor a model the Hub (or, offline, its cache) has raises FileNotFoundError naming both.
@@ -31,11 +32,18 @@ def resolve(path: str, field: str = "config.model.path", weights: bool = True) -
     if local.is_dir() or not HUB_ID.fullmatch(path):
         return local
     repo, _, revision = path.partition("@")
-    from huggingface_hub import snapshot_download
+    from filelock import FileLock
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    # one download per host: the other processes of a multi-process run on this host wait for the
+    # first and then find the snapshot in the cache
+    lock = Path(constants.HF_HUB_CACHE) / f".arlopti-{repo.replace('/', '--')}.lock"
     try:
-        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=PATTERNS if weights else SHAPE))
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(lock)):
+            return Path(snapshot_download(repo, revision=revision or None,
+                                          allow_patterns=PATTERNS if weights else SHAPE))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(f"{field}={path}: no such folder here, and no Hugging Face Hub model {repo}"

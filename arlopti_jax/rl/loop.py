@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ import numpy as np
 
 from arlopti_jax import algos
 from arlopti_jax.rl import resume, run_setup
-from arlopti_jax.runtime import compiles
+from arlopti_jax.runtime import compiles, paths
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.store.checkpoint import PreemptionFlag
 from arlopti_jax.rl.collect import Collector
@@ -34,6 +33,7 @@ from arlopti_jax.tasks import load_reward_fn
 from arlopti_jax.tasks.kk import guess_accuracy
 
 log = logging.getLogger("arlopti_jax.train")
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: a run a stop signal ended after its checkpoint; schedulers requeue it
 
 def rollout_metrics(rows, scores, lengths, truncated, n: int) -> dict[str, float]:
     """Reward, accuracy and length metrics of a whole (global) batch: ``rows`` its prompts,
@@ -92,7 +92,8 @@ def train(config, inputs: run_setup.Inputs | None = None) -> dict:
 def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.CompileLog) -> dict:
     started = time.time()
     compiled_before = compile_log.programs, compile_log.seconds  # this process may have compiled before the run
-    run_dir = Path(config.run_dir)
+    folder = paths.RunFolder(config.run_dir)  # a bucket's run folder: its records staged on this host
+    run_dir = folder.local  # the records, TensorBoard and generations are written here
     mesh = run_setup.make_mesh(config)
     inputs = run_setup.prepare_inputs(config) if inputs is None else inputs
     model_path, iterator, test_sets = inputs.model_path, inputs.iterator, inputs.test_sets
@@ -121,6 +122,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         iterator.load_state_dict(meta["data"])
         log.info("resumed from %s/%d", ckpt.directory, start_step)
     policy.params = None  # the trainer owns params from here (donated each step)
+    if jax.process_index() == 0:
+        folder.fetch()  # a bucket's records, as the run that wrote them left them
     for name in ("metrics.jsonl", "eval.jsonl"):  # the steps after the checkpoint are written again
         moved = trim_jsonl(run_dir / name, start_step if restored is not None else -1)
         if moved:
@@ -147,11 +150,38 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         append_jsonl(run_dir / "eval.jsonl", {"step": step, **evaluator.settings, **results})
         return results
 
-    def save(step, eval_pending=False):  # eval_pending: the step's evaluation is left to the resumed run
+    saved = {"step": start_step, "time": time.monotonic()}
+
+    def save(step, eval_pending=False, data_state=None, stopping=False):
+        """Checkpoint ``step`` (asynchronous; waited for when ``stopping``), after the records up to
+        it reach a bucket's run folder. ``eval_pending``: the step's evaluation is left to the
+        resumed run; ``data_state``: the data position (default: the iterator's now)."""
+        if jax.process_index() == 0:
+            writer.flush()
+            folder.sync()
         state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
+        began = time.monotonic()
         ckpt.save(step, resume.saved_state(model_cfg, state),
-                  resume.checkpoint_record(config, step, iterator.state_dict(), model_path, inputs.base_sha256,
-                                           eval_pending))
+                  resume.checkpoint_record(config, step, iterator.state_dict() if data_state is None else data_state,
+                                           model_path, inputs.base_sha256, eval_pending))
+        if stopping:  # inside the grace period: the save is complete before the process exits
+            ckpt.wait()
+            seconds = time.monotonic() - began
+            (log.warning if seconds > config.train.grace_s else log.info)(
+                "checkpoint %d saved in %.1f s on the stop signal (train.grace_s=%g)", step, seconds,
+                config.train.grace_s)
+        saved.update(step=step, time=time.monotonic())
+
+    def stop_now(step, data_state) -> bool:
+        """Whether any process has a stop signal (every process asks at the same points, so all stop
+        at the same step); if so, checkpoint ``step`` unless it is saved already."""
+        if not dist.any_process(bool(preempted)):
+            return False
+        if saved["step"] < step:
+            save(step, data_state=data_state, stopping=True)
+        log.warning("received %s: checkpoint %d saved, exiting (exit code %d: resume me)",
+                    preempted.signal_name or "a stop signal on another process", step, STOPPED_EXIT_CODE)
+        return True
 
     if test_sets and config.train.eval_before and start_step == 0:
         history["before"] = evaluate(0)
@@ -162,12 +192,17 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     from tqdm.auto import tqdm
 
     bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
+    stopped = False
     for step in bar:
         step_key = jax.random.fold_in(key, step)
+        data_before = iterator.state_dict()  # where a checkpoint of this step's start resumes the data
         # 1-2. sample G responses per prompt with the current policy (each process its block of
         # the prompts) and score them on host; with filter_groups, more rounds replace zero-advantage
         # groups. The global batch then goes to every process's host (the update packs it there).
         sampled = collect(params, iterator, step_key)
+        if stop_now(step, data_before):  # before the update: the stop's save comes sooner
+            stopped = True
+            break
         batch = {k: dist.to_host(v) for k, v in sampled.batch.items()}
         rewards, group_ids = dist.to_host(sampled.rewards), dist.to_host(sampled.group_ids)
         entropies = None  # pi_old's, for the high-entropy selection (algo.entropy_top_fraction)
@@ -234,24 +269,35 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         due = bool(test_sets) and (done % config.train.eval_every == 0 or done == steps)
         if due and not stop:
             history["after"] = evaluate(done)
-        if done % config.train.save_every == 0 or done == steps or stop:
-            save(done, eval_pending=due and stop)
+            due = False  # done: not left to a resumed run
+            stop = dist.any_process(bool(preempted))  # an evaluation can be long: asked again after it
+        every_s = config.train.save_every_s  # a checkpoint every so many seconds too (the hosts agree)
+        timely = bool(every_s) and dist.any_process(time.monotonic() - saved["time"] >= every_s)
+        if done % config.train.save_every == 0 or done == steps or timely or stop:
+            save(done, eval_pending=due and stop, stopping=stop)
         if stop:
-            log.warning("received %s: saved checkpoint %d, exiting",
-                        preempted.signal_name or "a stop signal on another process", done)
+            log.warning("received %s: checkpoint %d saved, exiting (exit code %d: resume me)",
+                        preempted.signal_name or "a stop signal on another process", done, STOPPED_EXIT_CODE)
+            stopped = True
             break
 
-    stop = dist.any_process(bool(preempted))
     ckpt.close()
+    if jax.process_index() == 0:
+        writer.flush()
+        folder.sync()  # the records of the last steps
     writer.close()
     preempted.close()
-    finished = not stop
+    finished = not stopped
     history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
                           compile_log.programs - history.get("warm", compile_log.programs))
     compile_log.warm(False)  # training is over: the export's programs (a LoRA merge) are not late compiles
     export_dir = None
     if finished and config.train.export_at_end:
         export_dir = save_pretrained(*lora.plain(model_cfg, params), run_dir / "export", tokenizer_dir=model_path)
+        if jax.process_index() == 0 and folder.remote is not None:
+            folder.sync()  # the export to the bucket's run folder
+            export_dir = folder.remote / "export"
+        dist.barrier("arlopti_export")  # the other processes leave once process 0 has written it
     return summarize(config, history, started, export_dir, preempted=not finished,
                      chance=chance_levels(test_sets))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_collections
 
 from arlopti_jax.models import ModelConfig, abstract_params, lora
+from arlopti_jax.runtime import paths
 from arlopti_jax.store.checkpoint import Checkpointer, array_metadata, compare_trees, leaves
 
 # the model fields that shape or scale the parameters a checkpoint holds: a checkpoint is read
@@ -43,7 +44,8 @@ def stored_config(meta: dict) -> ml_collections.ConfigDict:
 
 
 def checkpointer(config) -> Checkpointer:
-    return Checkpointer(Path(config.run_dir) / "checkpoints", max_to_keep=config.train.keep_checkpoints)
+    return Checkpointer(paths.path(config.run_dir, "config.run_dir") / "checkpoints",
+                        max_to_keep=config.train.keep_checkpoints)
 
 
 def check_resume(config, ckpt: Checkpointer | None = None) -> None:
@@ -53,7 +55,7 @@ def check_resume(config, ckpt: Checkpointer | None = None) -> None:
     ``run_dir``'s own checkpoints with later ones beside it (the run would write their steps again)."""
     if config.resume == "none":
         if ckpt is None:
-            if not (Path(config.run_dir) / "checkpoints").is_dir():
+            if not (paths.path(config.run_dir, "config.run_dir") / "checkpoints").is_dir():
                 return
             ckpt = checkpointer(config)
             steps, directory = ckpt.steps(), ckpt.directory
@@ -64,12 +66,12 @@ def check_resume(config, ckpt: Checkpointer | None = None) -> None:
             raise ValueError(f"config.resume='none' but {directory} already holds checkpoints "
                              f"{steps}: use resume=auto or another run_dir")
     elif config.resume != "auto":
-        folder = Path(config.resume)
+        folder = paths.path(config.resume, "config.resume")
         if not folder.is_dir() or not folder.name.isdigit():
             raise ValueError(f"config.resume={config.resume!r}: not a checkpoint step folder (…/checkpoints/<step>)")
-        own = (Path(config.run_dir) / "checkpoints").absolute()
+        own = paths.path(config.run_dir, "config.run_dir") / "checkpoints"
         later = sorted(int(p.name) for p in own.iterdir() if p.name.isdigit() and int(p.name) > int(folder.name)) \
-            if folder.absolute().parent == own else []
+            if str(folder.parent) == str(own) else []
         if later:  # the run would write those steps again over checkpoints that exist
             raise ValueError(f"config.resume={config.resume!r} is a checkpoint of this run_dir, which holds later "
                              f"ones {later}: resume=auto takes the newest; to go back, move the later ones away")
@@ -92,7 +94,7 @@ def base_digest(model_path: str | Path) -> str:
 
 def checkpoint_meta(folder: Path) -> dict | None:
     """A checkpoint step folder's meta JSON (``Checkpointer.save``), or None where it has none."""
-    path = Path(folder) / "meta" / "metadata"
+    path = paths.path(folder) / "meta" / "metadata"
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -105,8 +107,8 @@ def resume_folder(config) -> Path | None:
     if config.resume == "none":
         return None
     if config.resume != "auto":
-        return Path(config.resume)
-    folder = Path(config.run_dir) / "checkpoints"
+        return paths.path(config.resume, "config.resume")
+    folder = paths.path(config.run_dir, "config.run_dir") / "checkpoints"
     steps = sorted((p for p in folder.iterdir() if p.name.isdigit() and checkpoint_meta(p) is not None),
                    key=lambda p: int(p.name)) if folder.is_dir() else []
     return steps[-1] if steps else None
@@ -217,7 +219,7 @@ def restore_from(config, ckpt: Checkpointer, target):
         return None
     if config.resume == "auto":
         return ckpt.restore_latest(target)
-    folder = Path(config.resume)
+    folder = paths.path(config.resume, "config.resume")
     other = Checkpointer(folder.parent, max_to_keep=10**6)
     state, meta = other.restore(int(folder.name), target)
     other.close()

@@ -23,6 +23,7 @@ import optax
 
 from arlopti_jax import algos
 from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import paths
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
 from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings
@@ -52,10 +53,15 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
     start point nor fetch a Hub model's weights; a start point not built yet is a missing path."""
     model = config.model.path
     train, test = config.data.train_files, config.data.test_files
+    for field, value in (("run_dir", config.run_dir), ("model.path", model), ("resume", config.resume),
+                         *((f"data.{f}", v) for f, vs in (("train_files", train), ("test_files", test))
+                           for v in vs.split(",") if v)):
+        paths.check(value, f"config.{field}")  # a scheme nothing here reads stops in one line
     if not model:
         from arlopti_jax.embedded.start_point import ensure_start_point
 
-        sp = Path(config.run_dir).absolute().parent / "start_point"
+        run_dir = paths.path(config.run_dir, "config.run_dir")  # beside the run folder; a bucket's on this host
+        sp = (run_dir.parent if not paths.is_remote(config.run_dir) else paths.staging_root()) / "start_point"
         if not build and not (sp / "model").is_dir():
             raise FileNotFoundError(f"the embedded start point is not built yet ({sp})")
         if build and jax.process_index() == 0:
@@ -68,6 +74,8 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
         model = str(sp / "model")
         train = train or str(sp / "data" / "train.parquet")
         test = test or ",".join(str(sp / "data" / f"test_{n}ppl.parquet") for n in (2, 3))
+    elif paths.is_remote(model):  # a bucket's model folder: read from this host's copy
+        model = str(paths.local_copy(model, "config.model.path"))
     else:
         model = str(hub.resolve(model, weights=build))  # a folder, or a Hub id's snapshot
     if not train and need_train:
@@ -85,8 +93,9 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
                                               "convert them to safetensors)" if found else ""))
 
     def files(field, value):
-        try:
-            return resolve_data_files([p for p in value.split(",") if p]) if value else []
+        try:  # a bucket's file or folder: read from this host's copy
+            return resolve_data_files([str(paths.local_copy(p, f"config.data.{field}")) for p in value.split(",")
+                                       if p]) if value else []
         except (FileNotFoundError, ValueError) as err:
             raise type(err)(f"config.data.{field}: {err}") from None
 
@@ -205,6 +214,7 @@ def prepare_inputs(config) -> Inputs:
     of ``train.batch_prompts`` prompts or a checkpoint to resume from that this config cannot
     continue (``check_checkpoint``) stops it in one line (FileNotFoundError or ValueError naming
     the field), before the weights are loaded."""
+    dist.check_shared_folder(paths.path(config.run_dir, "config.run_dir"), "config.run_dir")  # one for all hosts
     model_path, train_files, test_files = resolve_paths(config)
     check_resume(config)
     digest = check_base(config, model_path) if config.model.lora_rank else ""

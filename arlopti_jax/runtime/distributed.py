@@ -264,3 +264,37 @@ def barrier(name: str, timeout_s: int = 3600) -> None:
         from orbax.checkpoint import multihost
 
         multihost.sync_global_processes(name, timeout=timeout_s)
+
+
+SHARED_MARK = ".arlopti_shared"  # the file ``check_shared_folder`` writes in a run folder
+
+
+def check_shared_folder(folder, field: str) -> None:
+    """ValueError on every process, one line naming ``field``, unless every process sees the same
+    ``folder`` (a local path or an ``epath`` bucket path): process 0 writes a mark holding a fresh
+    token there, and after a barrier each process reads it back. Several hosts that each see their
+    own disk under one relative path (``runs/run``) would otherwise each write their own shards of
+    one checkpoint. No-op with one process."""
+    if jax.process_count() == 1:
+        return
+    import secrets
+
+    from jax.experimental import multihost_utils
+
+    token = np.frombuffer(secrets.token_bytes(16), np.uint8) if jax.process_index() == 0 else np.zeros(16, np.uint8)
+    token = bytes(np.asarray(multihost_utils.broadcast_one_to_all(token)).astype(np.uint8)).hex()
+    mark = folder / SHARED_MARK
+    if jax.process_index() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        mark.write_text(token)
+    barrier(f"arlopti_shared_{token[:8]}")
+    try:
+        seen = mark.read_text().strip()
+    except OSError:
+        seen = None
+    blind = gather(np.array([seen != token], bool))[0]
+    if blind.any():
+        who = ", ".join(str(int(i)) for i in np.flatnonzero(blind))
+        raise ValueError(f"{field}={folder}: process{'es' if blind.sum() > 1 else ''} {who} of {jax.process_count()} "
+                         "do not see the folder process 0 writes to: on several hosts it must be one folder every "
+                         "host sees (a shared filesystem, or a gs:// bucket)")

@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from arlopti_jax.runtime import distributed as dist
-from arlopti_jax.runtime import faults
+from arlopti_jax.runtime import faults, paths
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def compare_trees(saved: dict[str, tuple], wanted: dict[str, tuple], where: str)
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True):
-        self.directory = Path(directory).absolute()
+        self.directory = paths.path(directory)  # local, or a bucket's gs:// folder (orbax writes there directly)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -146,14 +146,14 @@ class Checkpointer:
 def array_metadata(step_folder: str | Path):
     """The tree of orbax's array metadata (shape, dtype) of a step folder's ``state``, read without
     loading any array."""
-    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_folder) / "state").tree
+    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(str(step_folder)) / "state").tree
 
 
 def restore_subtree(step_folder: str | Path, abstract: dict) -> dict:
     """The arrays of ``abstract``'s keys alone (``{"params": ...}``: no optimizer state) from a step
     folder's ``state``, in ``abstract``'s shardings (any mesh: orbax reshards), after checking them
     against the saved metadata (``CheckpointMismatch``)."""
-    folder = Path(step_folder)
+    folder = paths.path(step_folder)
     saved = leaves(array_metadata(folder))
     wanted = leaves(abstract)
     compare_trees({k: v for k, v in saved.items() if k.split("/")[0] in abstract}, wanted, f"checkpoint {folder}")

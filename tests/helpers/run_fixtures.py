@@ -42,8 +42,10 @@ def cli(values: dict) -> list[str]:
 def step_metrics(run_dir: Path) -> dict[int, dict]:
     """Each step's values from metrics.jsonl (records of one step merged, later ones winning:
     a resumed run rewrites steps), without timing-dependent values."""
+    from arlopti_jax.runtime import paths
+
     out: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in (paths.path(run_dir) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         out.setdefault(rec["step"], {}).update({k: v for k, v in rec.items() if not k.startswith(TIMING)})
     return out
@@ -66,7 +68,9 @@ def kill_after_checkpoint(values: dict, step: int = 2, env: dict | None = None) 
     import signal
     import subprocess
 
-    run_dir = Path(values["run_dir"])
+    from arlopti_jax.runtime import paths
+
+    run_dir = paths.path(values["run_dir"])  # a local folder or a bucket's
     proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     wait_for(lambda: (run_dir / "checkpoints" / str(step) / "commit_success.txt").exists(), proc)
     proc.send_signal(signal.SIGKILL)
