@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from arlopti_jax.runtime import chips
+from arlopti_jax.runtime import chips, paths
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.models import lora
 from arlopti_jax.rl import resume, run_setup
@@ -84,7 +84,7 @@ def main(argv) -> int:
         model_path, _, test_files = run_setup.resolve_paths(config, need_train=False)
         if not test_files:
             raise ValueError("config.data.test_files is empty: nothing to evaluate")
-        folder = Path(checkpoint) if checkpoint else None
+        folder = paths.path(checkpoint, "--checkpoint") if checkpoint else None
         if folder is not None:
             if not (folder.is_dir() and folder.name.isdigit()):
                 raise ValueError(f"--checkpoint={checkpoint}: not a checkpoint step folder (…/checkpoints/<step>)")
@@ -117,11 +117,15 @@ def main(argv) -> int:
     evaluator = Evaluator(config, run, policy.tokenizer, sets, reward_fn)
     start = time.time()
     generations = None
+    records = paths.RunFolder(config.run_dir)  # a bucket's: written on this host, then copied up
+    if jax.process_index() == 0:
+        records.fetch()
     if config.train.save_generations:
-        generations = Path(config.run_dir) / "generations" / time.strftime("eval-%Y%m%d-%H%M%S")
+        generations = records.local / "generations" / time.strftime("eval-%Y%m%d-%H%M%S")
     results = evaluator.run(params, jax.random.key(config.seed), generations)
-    append_jsonl(Path(config.run_dir) / "eval.jsonl",
-                 {"model": label, "time": time.time(), **evaluator.settings, **results})
+    append_jsonl(records.local / "eval.jsonl", {"model": label, "time": time.time(), **evaluator.settings, **results})
+    if jax.process_index() == 0:
+        records.sync()
     if jax.process_index() == 0:
         print(format_table(results, evaluator.settings))
         print(f"evaluated {label} in {time.time() - start:.1f}s"

@@ -44,7 +44,7 @@ def main(argv) -> int:
 
     config = flags.FLAGS.config
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("absl", "jax._src.xla_bridge"):  # orbax's per-save lines, jax's backend probing
+    for noisy in ("absl", "jax._src.xla_bridge", "fsspec", "gcsfs"):  # orbax per-save, jax probing, bucket I/O
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         dist.initialize(config)  # before any JAX computation; a no-op for a single process

@@ -34,15 +34,15 @@ def launch(n: int, values: dict, logs: Path, **env) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, logs: Path, timeout: int = 900) -> int:
+def finish(proc: subprocess.Popen, logs: Path, expect: int, timeout: int = 900) -> None:
+    """Wait for the launcher; AssertionError with its output and the logs' ends unless it exits ``expect``."""
     try:
-        proc.communicate(timeout=timeout)
+        out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError("the pod timed out; its logs end:\n" + "\n".join(
-            f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log"))))
-    return proc.returncode
+        out = proc.communicate()[0] + "\n(timed out)"
+    ends = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log")))
+    assert proc.returncode == expect, f"exit {proc.returncode}, not {expect}:\n{out[-3000:]}\n{ends}"
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def pod_values(start_point, bucket, run, **extra):
 
 
 def test_sigterm_to_one_host_stops_all_at_one_step_and_resume_finishes_the_run(start_point, bucket, tmp_path):
-    assert finish(launch(4, pod_values(start_point, bucket, "a"), tmp_path / "a"), tmp_path / "a") == 0
+    finish(launch(4, pod_values(start_point, bucket, "a"), tmp_path / "a"), tmp_path / "a", 0)
     want = step_metrics(f"{bucket}/a")
     assert set(want) == set(range(1, 7))
 
@@ -78,7 +78,7 @@ def test_sigterm_to_one_host_stops_all_at_one_step_and_resume_finishes_the_run(s
     pid = int(subprocess.run(["pgrep", "-f", f"run_dir={bucket}/b.*process_id=2"], capture_output=True,
                              text=True).stdout.split()[0])
     os.kill(pid, signal.SIGTERM)  # one host's preemption notice
-    assert finish(proc, tmp_path / "b") == 75  # stopped, resume me
+    finish(proc, tmp_path / "b", 75)  # stopped, resume me
     saved = {}
     for i in range(4):
         log = (tmp_path / "b" / f"process_{i}.log").read_text()
@@ -90,7 +90,7 @@ def test_sigterm_to_one_host_stops_all_at_one_step_and_resume_finishes_the_run(s
     assert len(set(saved.values())) == 1 and 2 <= saved[0] < 6, saved
     assert paths.path(f"{bucket}/b/checkpoints/{saved[0]}").is_dir()
 
-    assert finish(launch(4, {**values, "resume": "auto"}, tmp_path / "b2"), tmp_path / "b2") == 0
+    finish(launch(4, {**values, "resume": "auto"}, tmp_path / "b2"), tmp_path / "b2", 0)
     got = step_metrics(f"{bucket}/b")
     assert got == want
     lines = [json.loads(x)["step"] for x in paths.path(f"{bucket}/b/metrics.jsonl").read_text().splitlines()]
@@ -99,7 +99,7 @@ def test_sigterm_to_one_host_stops_all_at_one_step_and_resume_finishes_the_run(s
 
 def test_a_run_folder_the_hosts_do_not_share_stops_them_all_at_start_up(start_point, bucket, tmp_path):
     values = {**pod_values(start_point, bucket, "unused"), "run_dir": "runs/r"}  # relative: each host's own disk
-    assert finish(launch(2, values, tmp_path / "c"), tmp_path / "c", timeout=600) == 2
+    finish(launch(2, values, tmp_path / "c"), tmp_path / "c", 2, timeout=600)
     for i in range(2):
         errors = [line for line in (tmp_path / "c" / f"process_{i}.log").read_text().splitlines()
                   if line.startswith("error:")]
