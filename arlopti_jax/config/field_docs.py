@@ -125,10 +125,15 @@ FIELD_DOCS = {
     "optim.schedule": "`constant` or `warmup_cosine` (counted in optimizer steps)",
     "optim.warmup_steps": "linear warm-up, in optimizer steps",
     "optim.min_lr_ratio": "`warmup_cosine` decays to lr x this",
-    "train.batch_prompts": "prompts per RL step",
-    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps)",
+    "train.batch_prompts": "prompts per RL step (verl's `data.train_batch_size`; TRL's `generation_batch_size` "
+                           "counts completions: this x `rollout.n`)",
+    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps); verl's `ppo_mini_batch_size` and "
+                        "tunix's `mini_batch_size` count prompts, so this = theirs x `rollout.n`; TRL's "
+                        "`per_device_train_batch_size` x processes x `gradient_accumulation_steps` counts completions, "
+                        "as this does (docs/reference/peers.md)",
     "train.micro_batch": "sizes the packed micro-batch when `max_tokens_per_micro_batch` is 0: room for this many "
-                         "sequences of the longest possible length, so one holds more of shorter responses; each "
+                         "sequences (over all data x fsdp devices; verl's `ppo_micro_batch_size_per_gpu` counts per "
+                         "GPU) of the longest possible length, so one holds more of shorter responses; each "
                          "micro-batch is one jitted forward/backward call, and their gradients are summed before "
                          "the mini-batch's optimizer step",
     "train.max_tokens_per_micro_batch": "tokens per data x fsdp device of one packed micro-batch (sequences packed "

@@ -29,7 +29,6 @@ HUB_SPLIT = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(@(?P<revision>[\w.
                        r"(:(?P<first>[\w.-]+))?(:(?P<second>[\w.-]+))?")
 # the builders of data, never of code: what a Hub dataset may be read with here
 DATA_BUILDERS = ("parquet", "json", "arrow", "cache")
-SNAPSHOT_PATTERNS = ["*.parquet", "*.json", "*.jsonl", "*.arrow", "*.md", "*.yaml"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +84,7 @@ def _snapshot(hub: HubSplit) -> str | None:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return snapshot_download(hub.repo, repo_type="dataset", revision=hub.revision, local_files_only=True,
-                                 allow_patterns=SNAPSHOT_PATTERNS)
+        return snapshot_download(hub.repo, repo_type="dataset", revision=hub.revision, local_files_only=True)
     except (LocalEntryNotFoundError, OSError, ValueError):
         return None
 
