@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import math
+
 import ml_collections
+from ml_collections import config_dict
 
 from arlopti_jax.runtime.startup import ConfigError  # noqa: F401  (re-exported: config.ConfigError)
 
@@ -23,6 +26,7 @@ from arlopti_jax.tasks.data import PROMPT_STYLES
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "embedded" / "default.py")
 LOPTI_SPLITS = ("threshold", "quantile")  # config's own: algos takes LoptiConfig(quantile=...)
 DTYPES = ("float32", "bfloat16")
+LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers; store/trackers.py implements each
 
 
 def choices() -> dict[str, tuple[str, ...]]:
@@ -62,8 +66,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.lora_targets = "q,k,v,o,gate,up,down"  # the projections that get adapters
 
     c.data = ml_collections.ConfigDict()
-    c.data.train_files = ""  # comma-separated files or folders (parquet / jsonl)
+    c.data.train_files = ""  # comma-separated files or folders (parquet / jsonl), or Hub datasets ORG/NAME[:SPLIT]
     c.data.test_files = ""
+    c.data.prompt_key = "prompt"  # the prompt's column (a string or chat messages)
+    c.data.answer_key = "reward_model.ground_truth"  # the ground truth's column (dotted: nested)
+    c.data.data_source = ""  # for rows without a data_source column; "" = every row has one
     c.data.prompt_style = "auto"  # template (prompt text embeds the chat template) | messages | auto
     c.data.max_prompt_length = 400
     c.data.shuffle_seed = 42
@@ -147,7 +154,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.save_every_s = 0.0  # also a checkpoint when this many seconds passed since the last (0 = off)
     c.train.grace_s = 30.0  # the seconds a stop signal leaves before SIGKILL (Spot VMs, SLURM's default)
     c.train.keep_checkpoints = 3
-    c.train.samples_every = 10  # sample completions to TensorBoard
+    c.train.samples_every = 10  # sample completions to the trackers
+    c.train.loggers = "tensorboard"  # comma-separated trackers: tensorboard, wandb, mlflow
     c.train.export_at_end = True
     c.train.diagnostics_every = 0  # gradient norm per pi_old quartile every this many steps; 0 = off
     c.train.diagnostics_rows = 0  # rows it is measured on: 0 = the first mini-batch, -1 = the whole batch
@@ -159,6 +167,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.fn = ""  # "" = built-in router by data_source; or "module:function"
     c.reward.workers = 4
     c.reward.timeout_s = 10.0
+    # a response counts as correct when its score >= this; None: the reward's `acc`, else the task's full score
+    c.reward.correct_at = config_dict.placeholder(float)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
@@ -284,6 +294,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(c.reward.workers >= 0, "reward.workers", c.reward.workers, "must be >= 0")
     _check(c.reward.timeout_s > 0, "reward.timeout_s", c.reward.timeout_s, "must be > 0")
     _check(not c.reward.fn or ":" in c.reward.fn, "reward.fn", c.reward.fn, "must be 'module:function' or ''")
+    at = c.reward.correct_at
+    _check(at is None or math.isfinite(at), "reward.correct_at", at, "must be a finite number (or unset)")
+    for field in ("prompt_key", "answer_key"):
+        key = c.data[field]
+        _check(bool(key) and all(key.split(".")), f"data.{field}", key, "must name a column (dotted: a nested one)")
+    loggers = [name for name in str(c.train.loggers).split(",") if name]
+    _check(set(loggers) <= set(LOGGERS) and len(set(loggers)) == len(loggers), "train.loggers", c.train.loggers,
+           f"comma-separated names from {','.join(LOGGERS)}, each once ('' = metrics.jsonl alone)")
 
     if num_devices is not None:
         from arlopti_jax.runtime.sharding import resolve_mesh_shape

@@ -37,8 +37,21 @@ FIELD_DOCS = {
     "model.lora_targets": "LoRA: the projections that get adapters, comma-separated from q, k, v, o, gate, up, down",
     "model.logprob_chunk": "targets per packed row in each vocabulary-projection chunk (no [B, T, V] tensor is held; "
                            "up to 64 MiB of target logits per device are projected in one piece)",
-    "data.train_files": "comma-separated parquet/jsonl files or folders",
-    "data.test_files": "comma-separated parquet/jsonl files or folders; each test file is reported separately",
+    "data.train_files": "comma-separated parquet/jsonl files or folders, or Hugging Face Hub datasets "
+                        "`ORG/NAME[@REVISION][[:CONFIG]:SPLIT]` (split `train` by default) read through the "
+                        "`datasets` cache (`HF_DATASETS_CACHE`; `HF_DATASETS_OFFLINE`, else `HF_HUB_OFFLINE`; a "
+                        "dataset only in the Hub cache is read from its snapshot); parquet, json and arrow data only, "
+                        "no Hub code runs; a path that exists here is a path",
+    "data.test_files": "the same, for evaluation (a Hub dataset's split: `test` by default); each test file or Hub "
+                       "split is reported separately",
+    "data.prompt_key": "the prompt's column: a string, or chat messages (a list of {role, content}); a list ending "
+                       "with the assistant's message (TRL's `messages`) is the conversation before it; a string is "
+                       "tokenized as it is unless `prompt_style` is `messages`",
+    "data.answer_key": "the ground truth's column, handed to the reward (dotted names reach into nested columns: "
+                       "verl's `reward_model.ground_truth`); the same name as `prompt_key`: the content of the "
+                       "assistant's message that ends the prompt's conversation",
+    "data.data_source": "the `data_source` of rows that have none (it picks the built-in reward, and groups `acc/*` "
+                        "and the evaluation); `\"\"` = every row must have the column",
     "data.prompt_style": "`template`: the prompt text already holds the chat template (public K&K files); "
                          "`messages`: apply the tokenizer's chat template; `auto`: decide per row",
     "data.max_prompt_length": "longer prompts are dropped, and the drop is reported per file",
@@ -112,10 +125,15 @@ FIELD_DOCS = {
     "optim.schedule": "`constant` or `warmup_cosine` (counted in optimizer steps)",
     "optim.warmup_steps": "linear warm-up, in optimizer steps",
     "optim.min_lr_ratio": "`warmup_cosine` decays to lr x this",
-    "train.batch_prompts": "prompts per RL step",
-    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps)",
+    "train.batch_prompts": "prompts per RL step (verl's `data.train_batch_size`; TRL's `generation_batch_size` "
+                           "counts completions: this x `rollout.n`)",
+    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps); verl's `ppo_mini_batch_size` and "
+                        "tunix's `mini_batch_size` count prompts, so this = theirs x `rollout.n`; TRL's "
+                        "`per_device_train_batch_size` x processes x `gradient_accumulation_steps` counts completions, "
+                        "as this does (docs/reference/peers.md)",
     "train.micro_batch": "sizes the packed micro-batch when `max_tokens_per_micro_batch` is 0: room for this many "
-                         "sequences of the longest possible length, so one holds more of shorter responses; each "
+                         "sequences (over all data x fsdp devices; verl's `ppo_micro_batch_size_per_gpu` counts per "
+                         "GPU) of the longest possible length, so one holds more of shorter responses; each "
                          "micro-batch is one jitted forward/backward call, and their gradients are summed before "
                          "the mini-batch's optimizer step",
     "train.max_tokens_per_micro_batch": "tokens per data x fsdp device of one packed micro-batch (sequences packed "
@@ -150,7 +168,12 @@ FIELD_DOCS = {
                      "or an evaluation), waits for the save, logs its seconds against this (a warning when over) "
                      "and exits with code 75 (stopped, resume me)",
     "train.keep_checkpoints": "checkpoints kept",
-    "train.samples_every": "sample completions to TensorBoard every this many steps",
+    "train.samples_every": "sample completions to the trackers every this many steps",
+    "train.loggers": "comma-separated trackers the run's config, scalars, sample completions and end-of-run summary "
+                     "go to, from process 0: `tensorboard` (`run_dir/tb`), `wandb` (Weights & Biases: `WANDB_PROJECT`, "
+                     "`WANDB_MODE`, ...; extra `[wandb]`), `mlflow` (`MLFLOW_TRACKING_URI`, `MLFLOW_EXPERIMENT_NAME`; "
+                     "extra `[mlflow]`); `metrics.jsonl` is always written; a tracker that cannot start stops the run "
+                     "at start-up in one line",
     "train.export_at_end": "write the final policy as a Hugging Face folder to `run_dir/export`",
     "train.diagnostics_every": "log the gradient norm per pi_old quartile (`quartile/q{1..4}_grad_norm`) every "
                                "this many steps, and with `isolation_experiment` at the first step the isolation "
@@ -167,12 +190,17 @@ FIELD_DOCS = {
                                   "Figure 1 does (docs/results/real_model.md, section 4); "
                                   "`analysis/mechanism.py` measures it with an SGD step",
     "reward.fn": "`\"\"` routes by `data_source` (`kk_logic*`, the math sources); or `module:function` with "
-                 "verl's signature `(data_source, solution_str, ground_truth, extra_info) -> float`",
+                 "verl's signature `(data_source, solution_str, ground_truth, extra_info)`, returning a score or a "
+                 "dict with `score`, optionally `acc` (correct or not) and other numbers (logged as "
+                 "`reward_info/<key>`, and `eval/<set>/<mode>_info/<key>` in evaluations)",
     "reward.workers": "parallel scoring processes; 0 = the built-in rewards score in the trainer's process (K&K "
                       "scoring is a bounded scan; math-verify runs in its own sandbox process), while a `reward.fn` "
                       "still runs in one worker process, the only place `reward.timeout_s` can stop it",
     "reward.timeout_s": "per-response scoring time limit, seconds: a scoring call that overruns it is stopped and "
                         "the response scores 0, as when scoring raises",
+    "reward.correct_at": "what counts as correct in `acc/*`, the evaluation's accuracies, pass@k and maj@k: a score "
+                         ">= this; unset: the reward's own `acc` where it returns a verl-style dict, else the task's "
+                         "full score (K&K 3, every other source 1); a response whose scoring failed is never correct",
     "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices)",
     "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",
     "mesh.tensor": "tensor-parallel mesh axis size (-1 = the rest)",

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from arlopti_jax.runtime import distributed as dist
-from arlopti_jax.rl.evaluation import score_rollout
+from arlopti_jax.rl.evaluation import concat_info, gather_info, info_means, score_rollout
 
 
 def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: float) -> np.ndarray:
@@ -56,10 +56,11 @@ class StepBatch:
     """batch        the update's arrays (global with several processes): input_ids,
                     attention_mask, response_mask, old_logprobs, [batch_prompts x n, T]
     rewards, group_ids  per row (global arrays likewise)
-    rows, scores, lengths, truncated  every response sampled this step (all rounds, all
-                    processes), for metrics; rows[i // n] is response i's prompt
+    rows, scores, correct, lengths, truncated  every response sampled this step (all rounds,
+                    all processes), for metrics; rows[i // n] is response i's prompt
     sample_text, sample_score  this process's first response, for TensorBoard
-    stats           dynamic sampling / overlong penalty metrics (empty when both are off)
+    stats           dynamic sampling / overlong penalty metrics, and ``reward_info/<key>``: the mean
+                    of each other number the reward's dicts gave (empty when none of these applies)
     """
 
     batch: dict
@@ -67,6 +68,7 @@ class StepBatch:
     group_ids: object
     rows: list
     scores: np.ndarray
+    correct: np.ndarray
     lengths: np.ndarray
     truncated: np.ndarray
     sample_text: str
@@ -81,6 +83,8 @@ class _Round:
     texts: list[str]
     scores: np.ndarray
     rewards: np.ndarray
+    correct: np.ndarray
+    info: dict[str, np.ndarray]
 
 
 class Collector:
@@ -97,12 +101,12 @@ class Collector:
         with self.timer("rollout"):
             rollout = self.sampler.generate(params, [r["prompt_ids"] for r in mine], self.n, key, self.sampling)
         with self.timer("reward"):
-            texts, scores = score_rollout(self.config, self.reward_fn, self.tokenizer, mine, rollout, self.n)
-        rewards = scores
+            scored = score_rollout(self.config, self.reward_fn, self.tokenizer, mine, rollout, self.n)
+        rewards = scores = scored.scores
         if a.overlong_buffer > 0:
             rewards = scores + overlong_penalty(rollout.lengths, self.sampling.max_response_len, a.overlong_buffer,
                                                 a.overlong_penalty)
-        return _Round(rows, rollout, texts, scores, rewards)
+        return _Round(rows, rollout, scored.texts, scores, rewards, scored.correct, scored.info)
 
     def __call__(self, params, iterator, step_key) -> StepBatch:
         first = self._round(params, next(iterator), step_key)
@@ -117,12 +121,15 @@ class Collector:
             batch = dist.global_rows(first.rollout.train_batch(), self.mesh)
             rewards, group_ids = dist.global_rows((first.rewards, first.rollout.group_ids + self.mine.start), self.mesh)
             stats = {}
-        gathered = [dist.gather(r.scores, r.rewards - r.scores, r.rollout.lengths, r.rollout.truncated) for r in rounds]
-        scores, penalties, lengths, truncated = (np.concatenate(parts) for parts in zip(*gathered))
+        gathered = [dist.gather(r.scores, r.rewards - r.scores, r.correct, r.rollout.lengths, r.rollout.truncated)
+                    for r in rounds]
+        scores, penalties, correct, lengths, truncated = (np.concatenate(parts) for parts in zip(*gathered))
         if self.config.algo.overlong_buffer > 0:
             stats["reward/overlong_penalty"] = float(penalties.mean())
             stats["response/overlong_share"] = float((penalties < 0).mean())
-        return StepBatch(batch, rewards, group_ids, [row for r in rounds for row in r.rows], scores, lengths,
+        infos = [gather_info(r.info, len(r.scores)) for r in rounds]
+        stats.update(info_means(concat_info(infos, [len(g[0]) for g in gathered]), "reward_info/"))
+        return StepBatch(batch, rewards, group_ids, [row for r in rounds for row in r.rows], scores, correct, lengths,
                          truncated, first.texts[0] if first.texts else "",
                          float(first.scores[0]) if len(first.scores) else float("nan"), stats)
 

@@ -9,6 +9,11 @@ files as ``eval/avg/...``):
              prompt, c of them correct: 1 - C(n - c, k) / C(n, k), averaged over prompts
     maj@k    whether the most frequent answer among the prompt's FIRST k samples is correct
     mean@k   the accuracy of the prompt's first k samples (mean@eval_n = sampled_acc)
+    greedy_info/<key>, sampled_info/<key>   the mean of each other number a reward dict gives
+
+What counts as correct is ``is_correct``: a score >= ``reward.correct_at`` when set, else the
+reward's own ``acc`` where it returns one, else the task's full score (K&K 3, others 1); a
+response whose scoring failed never is.
 
 Samples are i.i.d., so the first k are a uniformly random k-subset: maj@k and mean@k are
 unbiased too, only noisier than an average over every subset. "The answer" of a response
@@ -22,12 +27,14 @@ source without a built-in answer format (a custom reward function's).
 Every evaluation can keep what it generated (``Evaluator.run(..., generations_dir=DIR)``):
 one ``DIR/<test set>.jsonl`` per test file, a line per response with the prompt's row in its
 file, the mode (greedy or sampled) and sample number, the response text (special tokens
-kept), the extracted answer, the score and whether it counts as correct. With several
+kept), the extracted answer, the score, whether it counts as correct and the reward's
+other numbers (``info``). With several
 processes each writes its own responses to ``<test set>.process<i>.jsonl``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Hashable, Sequence
 from pathlib import Path
@@ -37,12 +44,32 @@ import numpy as np
 
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import faults
-from arlopti_jax.tasks import answer_for, score_batch
+from arlopti_jax.tasks import Reward, answer_for, score_rewards
 
 
-def is_correct(data_source: str, score: float) -> bool:
-    """K&K: the full score 3 (format and answer right); other tasks: score >= 1."""
-    return score >= (3.0 if data_source.startswith("kk_logic") else 1.0)
+def is_correct(data_source: str, reward: Reward, correct_at: float | None = None) -> bool:
+    """Whether a scored response counts as correct: never when its scoring failed; a score >=
+    ``correct_at`` when that is set (``reward.correct_at``); else the reward's own ``acc`` where it
+    gave one; else the task's full score: K&K 3 (format and answer right), other tasks 1."""
+    if reward.failed:
+        return False
+    if correct_at is not None:
+        return reward.score >= correct_at
+    if reward.acc is not None:
+        return reward.acc
+    return reward.score >= (3.0 if data_source.startswith("kk_logic") else 1.0)
+
+
+@dataclasses.dataclass
+class Scored:
+    """A rollout's responses scored: decoded solution strings, float32 scores, whether each is
+    correct (``is_correct``), and the reward's other numbers per key (float32, NaN where a
+    response's reward did not give that key)."""
+
+    texts: list[str]
+    scores: np.ndarray
+    correct: np.ndarray
+    info: dict[str, np.ndarray]
 
 
 def decode_solutions(tokenizer, prompt_rows: list[dict], rollout, n: int) -> list[str]:
@@ -51,14 +78,37 @@ def decode_solutions(tokenizer, prompt_rows: list[dict], rollout, n: int) -> lis
     return tokenizer.batch_decode(seqs, skip_special_tokens=False)
 
 
-def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: int):
-    """(decoded solution strings, float32 scores), one per response; rows[i // n] is the prompt."""
+def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: int) -> Scored:
+    """Every response of ``rollout`` scored; rows[i // n] is response i's prompt."""
     texts = decode_solutions(tokenizer, rows, rollout, n)
-    scores = score_batch(reward_fn, [rows[i // n]["data_source"] for i in range(len(texts))], texts,
-                         [rows[i // n]["ground_truth"] for i in range(len(texts))],
-                         [rows[i // n]["extra_info"] for i in range(len(texts))],
-                         num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
-    return texts, np.asarray(scores, np.float32)
+    sources = [rows[i // n]["data_source"] for i in range(len(texts))]
+    rewards = score_rewards(reward_fn, sources, texts, [rows[i // n]["ground_truth"] for i in range(len(texts))],
+                            [rows[i // n]["extra_info"] for i in range(len(texts))],
+                            num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+    correct_at = config.reward.get("correct_at")
+    keys = sorted({k for r in rewards for k in r.info})
+    return Scored(texts, np.array([r.score for r in rewards], np.float32),
+                  np.array([is_correct(s, r, correct_at) for s, r in zip(sources, rewards)], bool),
+                  {k: np.array([r.info.get(k, np.nan) for r in rewards], np.float32) for k in keys})
+
+
+def gather_info(info: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """``Scored.info`` of every process's ``count`` responses, concatenated in process order, over
+    the keys any process's rewards gave (NaN where one did not)."""
+    keys = sorted(set().union(*dist.gather_json(sorted(info))))
+    return {k: dist.gather(info.get(k, np.full(count, np.nan, np.float32)))[0] for k in keys}
+
+
+def concat_info(infos: list[dict[str, np.ndarray]], counts: list[int]) -> dict[str, np.ndarray]:
+    """Parts of ``Scored.info`` (``counts[i]`` responses in part i) as one, over every part's keys."""
+    keys = sorted({k for info in infos for k in info})
+    return {k: np.concatenate([info.get(k, np.full(c, np.nan, np.float32)) for info, c in zip(infos, counts)])
+            for k in keys}
+
+
+def info_means(info: dict[str, np.ndarray], prefix: str) -> dict[str, float]:
+    """``prefix + key``: the mean of each key's values over the responses that have it."""
+    return {f"{prefix}{k}": float(np.nanmean(v)) for k, v in info.items() if np.isfinite(v).any()}
 
 
 # ---- estimators (one prompt) ----
@@ -127,8 +177,8 @@ class Evaluator:
         cfg = self.config
         rows = rows[self.sampler.process_share(len(rows), sampling, pad_to)]
         rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling, pad_to=pad_to)
-        texts, scores = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
-        ok = np.array([is_correct(rows[i // n]["data_source"], v) for i, v in enumerate(scores)], bool)
+        scored = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
+        texts, scores, ok = scored.texts, scored.scores, scored.correct
         answers = [None] * len(texts)
         for i, text in enumerate(texts):
             extract = answer_for(rows[i // n]["data_source"])
@@ -142,8 +192,10 @@ class Evaluator:
             responses = self.tokenizer.batch_decode(rollout.responses(), skip_special_tokens=False)
             records += [{"row": rows[i // n]["row"], "mode": mode, "sample": i % n, "response": responses[i],
                          "answer": answers[i], "score": float(scores[i]), "correct": bool(ok[i]),
-                         "ground_truth": rows[i // n]["ground_truth"]} for i in range(len(texts))]
-        return dist.gather(scores, ok, stats)
+                         "ground_truth": rows[i // n]["ground_truth"],
+                         **({"info": {k: float(v[i]) for k, v in scored.info.items() if np.isfinite(v[i])}}
+                            if scored.info else {})} for i in range(len(texts))]
+        return (*dist.gather(scores, ok, stats), gather_info(scored.info, len(texts)))
 
     def run(self, params, key, generations_dir: str | Path | None = None) -> dict[str, float]:
         """Every metric of every test set; with ``generations_dir``, each response too (module
@@ -166,18 +218,20 @@ class Evaluator:
                 # every chunk (a test set's last, a smaller test set's) is laid out as a full one: one
                 # prompt-count bucket, one set of sampler programs, for the whole evaluation
                 pad_to = min(per, largest)
-                scores, correct, stats = [], [], []
+                scores, correct, stats, infos = [], [], [], []
                 for start in range(0, len(rows), per):
                     key, sub = jax.random.split(key)
-                    s, ok, st = self._chunk(params, sub, rows[start:start + per], n, sampling, mode, records,
-                                            pad_to)
+                    s, ok, st, info = self._chunk(params, sub, rows[start:start + per], n, sampling, mode, records,
+                                                  pad_to)
                     scores.append(s)
                     correct.append(ok)
                     stats.append(st)
+                    infos.append(info)
                     bar.update(len(s))
                     bar.set_postfix({f"{mode}_acc": f"{np.mean(np.concatenate(correct)):.3f}"})
                 out[f"eval/{name}/{mode}_acc"] = float(np.mean(np.concatenate(correct)))
                 out[f"eval/{name}/{mode}_reward"] = float(np.mean(np.concatenate(scores)))
+                out.update(info_means(concat_info(infos, [len(s) for s in scores]), f"eval/{name}/{mode}_info/"))
                 if mode == "sampled":
                     for stat, values in zip(stat_names(self.ks), np.concatenate(stats).T):
                         if not np.isnan(values).any():

@@ -12,6 +12,7 @@ continues from the newest good checkpoint with the same data order and RNG.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 
@@ -25,7 +26,7 @@ from arlopti_jax.runtime import compiles, paths
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.store.checkpoint import PreemptionFlag
 from arlopti_jax.rl.collect import Collector
-from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, compare_table, format_table, is_correct, trim_jsonl
+from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, compare_table, format_table, trim_jsonl
 from arlopti_jax.runtime.chips import mfu
 from arlopti_jax.store.metrics import MetricsWriter, Timer
 from arlopti_jax.models import lora, save_pretrained
@@ -35,11 +36,11 @@ from arlopti_jax.tasks.kk import guess_accuracy
 log = logging.getLogger("arlopti_jax.train")
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: a run a stop signal ended after its checkpoint; schedulers requeue it
 
-def rollout_metrics(rows, scores, lengths, truncated, n: int) -> dict[str, float]:
+def rollout_metrics(rows, scores, correct, lengths, truncated, n: int) -> dict[str, float]:
     """Reward, accuracy and length metrics of a whole (global) batch: ``rows`` its prompts,
-    the arrays one value per response."""
+    the arrays one value per response (``correct``: ``evaluation.is_correct``'s)."""
     sources = [rows[i // n]["data_source"] for i in range(len(scores))]
-    correct = np.array([is_correct(s, v) for s, v in zip(sources, scores)], np.float32)
+    correct = np.asarray(correct, np.float32)
     out = {"reward/mean": scores.mean(), "reward/std": scores.std(), "acc/all": correct.mean(),
            "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
            "response/truncated": truncated.mean()}
@@ -134,8 +135,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     grad_norms_fn = algos.make_quartile_grad_norms(train_step) if diagnose_every else None
     reward_fn = load_reward_fn(config.reward.fn or None)
     evaluator = Evaluator(config, run, tokenizer, test_sets, reward_fn)
-    writer = MetricsWriter(run_dir)
-    writer.text(0, "config", f"```\n{config.to_json_best_effort(indent=2)}\n```")
+    writer = MetricsWriter(run_dir, loggers=config.train.loggers, config=json.loads(config.to_json_best_effort()))
     preempted = PreemptionFlag()
     timer = Timer()
     n = config.rollout.n
@@ -235,7 +235,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         generated = int(sampled.lengths.sum())
         trained = int(batch["attention_mask"].sum()) * len(passes)
         packed = train_step.processed_since(mark)  # what the passes forwarded: a shared prompt once per row
-        metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.lengths, sampled.truncated, n),
+        metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.correct, sampled.lengths,
+                                     sampled.truncated, n),
                    **sampled.stats, **diagnostics,
                    **update_metrics(pass_metrics, run.lopti_cfg.enabled),
                    **quartile_metrics(batch, sum(dist.to_host(a) for a, _ in passes)),
@@ -282,10 +283,6 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             break
 
     ckpt.close()
-    if jax.process_index() == 0:
-        writer.flush()
-        folder.sync()  # the records of the last steps
-    writer.close()
     preempted.close()
     finished = not stopped
     history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
@@ -294,12 +291,16 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     export_dir = None
     if finished and config.train.export_at_end:
         export_dir = save_pretrained(*lora.plain(model_cfg, params), run_dir / "export", tokenizer_dir=model_path)
-        if jax.process_index() == 0 and folder.remote is not None:
-            folder.sync()  # the export to the bucket's run folder
-            export_dir = folder.remote / "export"
-        dist.barrier("arlopti_export")  # the other processes leave once process 0 has written it
-    return summarize(config, history, started, export_dir, preempted=not finished,
-                     chance=chance_levels(test_sets))
+        if folder.remote is not None:
+            export_dir = folder.remote / "export"  # copied up with the records below
+    summary = summarize(config, history, started, export_dir, preempted=not finished,
+                        chance=chance_levels(test_sets))
+    writer.summary(start_step + len(history["reward"]), summary["text"], summary["scalars"])
+    writer.close()
+    if jax.process_index() == 0:
+        folder.sync()  # the last steps' records, TensorBoard's events and the export, to a bucket's run folder
+    dist.barrier("arlopti_end")  # the other processes leave once process 0 has written everything
+    return summary
 
 
 def isolation_metrics(run: run_setup.Run, params, batch, passes) -> dict:
@@ -367,5 +368,14 @@ def summarize(config, history, started, export_dir, preempted, chance: dict | No
     lines.append("=" * 72)
     if jax.process_index() == 0:
         print("\n".join(lines))
+    scalars = {"summary/minutes": minutes, "summary/steps": float(len(rewards)), "summary/preempted": float(preempted),
+               **{f"summary/{k}": v for k, v in (after or {}).items()}}
+    if trend:
+        scalars.update(zip(("summary/reward_first_quarter", "summary/reward_last_quarter", "summary/reward_trend_se"),
+                           trend))
+    if "compile" in history:
+        scalars.update(zip(("summary/compiled_programs", "summary/compile_seconds", "summary/late_compiles"),
+                           map(float, history["compile"])))
     return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted,
-            "reward_trend": trend, "chance": chance, "compile": history.get("compile")}
+            "reward_trend": trend, "chance": chance, "compile": history.get("compile"),
+            "text": "\n".join(lines).strip("\n="), "scalars": scalars}

@@ -27,9 +27,11 @@ from arlopti_jax.runtime import paths
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
 from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings
+from arlopti_jax.store import trackers
 from arlopti_jax.rollout import Sampler, SamplingConfig
 from arlopti_jax.tasks import load_reward_fn
-from arlopti_jax.tasks.data import BatchIterator, PromptDataset, resolve_data_files
+from arlopti_jax.tasks.registry import reward_for
+from arlopti_jax.tasks.data import BatchIterator, DataFile, HubSplit, PromptDataset, resolve_data_files
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +95,11 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
                                               "convert them to safetensors)" if found else ""))
 
     def files(field, value):
+        split = "train" if field == "train_files" else "test"  # a Hub dataset's split, when none is named
         try:  # a bucket's file or folder: read from this host's copy
-            return resolve_data_files([str(paths.local_copy(p, f"config.data.{field}")) for p in value.split(",")
-                                       if p]) if value else []
+            named = [str(paths.local_copy(p, f"config.data.{field}")) if paths.is_remote(p) else p
+                     for p in value.split(",") if p]
+            return resolve_data_files(named, split) if value else []
         except (FileNotFoundError, ValueError) as err:
             raise type(err)(f"config.data.{field}: {err}") from None
 
@@ -169,15 +173,19 @@ def make_mesh(config, devices=None):
     return dist.process_contiguous(shd.make_mesh(dict(config.mesh), devices=devices))
 
 
-def eval_set_name(path: Path) -> str:
+def eval_set_name(path: DataFile) -> str:
     """A test file's name in metrics: its stem, prefixed by its folder when generic
-    (kk/3ppl/test.parquet -> 3ppl_test; test_2ppl.parquet -> test_2ppl)."""
+    (kk/3ppl/test.parquet -> 3ppl_test; test_2ppl.parquet -> test_2ppl); a Hub dataset's
+    NAME[_CONFIG]_SPLIT (openai/gsm8k:main:test -> gsm8k_main_test)."""
+    if isinstance(path, HubSplit):
+        return path.set_name
     return f"{path.parent.name}_{path.stem}" if path.stem in ("test", "train", "eval", "validation") else path.stem
 
 
 def prompt_dataset(config, files, tokenizer) -> PromptDataset:
-    return PromptDataset(files, tokenizer, max_prompt_length=config.data.max_prompt_length,
-                         prompt_style=config.data.prompt_style)
+    d = config.data
+    return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, prompt_style=d.prompt_style,
+                         prompt_key=d.prompt_key, answer_key=d.answer_key, data_source=d.data_source)
 
 
 def train_iterator(config, dataset) -> BatchIterator:
@@ -211,12 +219,15 @@ def prepare_inputs(config) -> Inputs:
     """The run's paths, tokenizer and prompt datasets, with ``config.resume`` checked against
     ``run_dir`` (``check_resume``): a command's start-up calls this, so a missing path, a bad
     resume setting, a data file that cannot be read, a training set that cannot fill one batch
-    of ``train.batch_prompts`` prompts or a checkpoint to resume from that this config cannot
-    continue (``check_checkpoint``) stops it in one line (FileNotFoundError or ValueError naming
-    the field), before the weights are loaded."""
+    of ``train.batch_prompts`` prompts, a data source the built-in reward does not know, a tracker
+    of ``train.loggers`` that cannot start (process 0's, which alone logs) or a checkpoint to resume
+    from that this config cannot continue (``check_checkpoint``) stops it in one line
+    (FileNotFoundError or ValueError naming the field), before the weights are loaded."""
     dist.check_shared_folder(paths.path(config.run_dir, "config.run_dir"), "config.run_dir")  # one for all hosts
     model_path, train_files, test_files = resolve_paths(config)
     check_resume(config)
+    if jax.process_index() == 0:
+        trackers.check(config.train.loggers)
     digest = check_base(config, model_path) if config.model.lora_rank else ""
     tokenizer = load_tokenizer(model_path)
 
@@ -234,6 +245,13 @@ def prepare_inputs(config) -> Inputs:
                          f"config.data.train_files ({', '.join(map(str, train_files))}, after "
                          f"data.max_prompt_length={config.data.max_prompt_length}): {err}") from None
     test_sets = {eval_set_name(f): dataset("test_files", [f]) for f in test_files}
+    if not config.reward.fn:  # the built-in reward: a source it does not know stops here, not at step 1
+        for field, data in (("train_files", train_data), *(("test_files", d) for d in test_sets.values())):
+            for source in sorted({row["data_source"] for row in data.rows}):
+                try:
+                    reward_for(source)
+                except ValueError as err:
+                    raise ValueError(f"config.data.{field}: {err}") from None
     model_cfg = model_config(config, model_path)
     if config.rollout.top_k > model_cfg.vocab_size:
         raise ValueError(f"config.rollout.top_k={config.rollout.top_k} exceeds the model's vocabulary "

@@ -28,6 +28,7 @@ unchanged.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -249,6 +250,18 @@ def gather(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
         stacked = _allgather(padded)  # [P, width, ...]
         out.append(np.concatenate([stacked[p, : counts[p, i]] for p in range(len(counts))]).astype(dtype))
     return tuple(out)
+
+
+def gather_json(value: Any) -> list:
+    """Every process's JSON-serialisable ``value`` (names of metrics a process found, say), in
+    process order. With one process: ``[value]``."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    (every,) = gather(data)
+    lengths = _allgather(np.array([len(data)], np.int64)).reshape(-1)
+    ends = np.cumsum(lengths)
+    return [json.loads(every[end - size:end].tobytes()) for size, end in zip(lengths, ends)]
 
 
 def any_process(flag: bool) -> bool:

@@ -1,1 +1,1 @@
-"""What a run writes: orbax checkpoints, and metrics (TensorBoard and metrics.jsonl)."""
+"""What a run writes: orbax checkpoints, metrics.jsonl, and the experiment trackers (TensorBoard, W&B, MLflow)."""

@@ -1,13 +1,15 @@
-"""TensorBoard logging and phase timing (MFU: ``runtime.chips``).
+"""A run's records, and phase timing (MFU: ``runtime.chips``).
 
-Only process 0 writes. Every scalar also goes to ``metrics.jsonl`` in the run folder,
-one line per step, so runs can be compared without TensorBoard.
+Only process 0 writes. Every scalar goes to ``metrics.jsonl`` in the run folder, one line per
+call, so runs can be compared without a tracker; the config, scalars, histograms, texts and the
+end-of-run summary go to each tracker of ``train.loggers`` (``store/trackers.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -15,6 +17,9 @@ import jax
 import numpy as np
 
 from arlopti_jax.runtime import faults
+from arlopti_jax.store import trackers
+
+log = logging.getLogger(__name__)
 
 class Timer:
     """Accumulates wall time per phase: ``with timer("rollout"): ...``."""
@@ -36,40 +41,68 @@ class Timer:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, enabled: bool | None = None):
+    """Process 0's records of a run: every scalar to ``metrics.jsonl``, and the run's config (at
+    the start), scalars, histograms, texts and summary to each tracker of ``loggers``. A tracker
+    that fails, at its start or later, is reported in one warning line and dropped: the run and
+    the other trackers go on (``trackers.check`` at start-up finds a missing package or bad
+    settings before that)."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool | None = None, loggers: str = "tensorboard",
+                 config: dict | None = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.run_dir = Path(run_dir)
-        self._tb = None
+        self._trackers: dict[str, object] = {}
         if self.enabled:
-            from tensorboardX import SummaryWriter
-
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+            for name in trackers.names(loggers):
+                try:
+                    self._trackers[name] = trackers.start(name, self.run_dir, config or {})
+                except Exception as err:
+                    log.warning("the %s tracker could not start, the run goes on without it: %s", name, err)
+
+    @property
+    def loggers(self) -> list[str]:
+        """The trackers that are logging."""
+        return list(self._trackers)
+
+    def _each(self, method: str, *args) -> None:
+        for name, tracker in list(self._trackers.items()):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as err:
+                log.warning("the %s tracker failed (%s), the run goes on without it: %s", name, method, err)
+                del self._trackers[name]
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in values.items() if v is not None and np.isfinite(float(v))}
-        for key, value in clean.items():  # TensorBoard tags take no '@' (tensorboardX would rename and log it)
-            self._tb.add_scalar(key.replace("@", "_"), value, step)
+        self._each("scalars", step, clean)
         faults.write(self._jsonl, json.dumps({"step": step, **clean}) + "\n", "metrics")
         self._jsonl.flush()
 
     def histogram(self, step: int, tag: str, values) -> None:
         values = np.asarray(values)
         if self.enabled and values.size:
-            self._tb.add_histogram(tag, values, step)
+            self._each("histogram", step, tag, values)
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:
-            self._tb.add_text(tag, text, step)
+            self._each("text", step, tag, text)
+
+    def summary(self, step: int, text: str, values: dict[str, float]) -> None:
+        """The end-of-run summary: its text (what the run printed) and its numbers."""
+        if self.enabled:
+            self._each("summary", step, text, {k: float(v) for k, v in values.items()
+                                               if v is not None and np.isfinite(float(v))})
 
     def flush(self) -> None:
         if self.enabled:
-            self._tb.flush()
+            self._each("flush")
 
     def close(self) -> None:
         if self.enabled:
-            self._tb.close()
+            self._each("close")
+            self._trackers.clear()
             self._jsonl.close()

@@ -1,4 +1,4 @@
-"""Prompt datasets: parquet/jsonl files -> tokenized prompts -> shuffled batches.
+"""Prompt datasets: parquet/jsonl files or Hub datasets -> tokenized prompts -> shuffled batches.
 
     rows = load_rows(paths)                      # list of dicts, one per row
     ds = PromptDataset(paths, tokenizer, max_prompt_length=400)
@@ -9,19 +9,29 @@
     state = it.state_dict(); it2.load_state_dict(state)  # resumes exactly
 
 Paths: a file (*.parquet, *.jsonl), a folder (its *.parquet and *.jsonl files, not
-recursive, sorted by name) or a list of these. Files are read with Hugging Face
-`datasets` (`load_dataset('parquet'|'json', data_files=...)`), each on its own, so
-files of different schemas (K&K and math) mix freely. Rows need the columns `prompt`
-(or `prompt_key`), `data_source` and `reward_model.ground_truth`; a missing or null
-one raises ValueError naming the file, the row index and the column. Ground truths
-keep their Python type (string, float such as amc's 142.0, dict for K&K, ...).
+recursive, sorted by name), a Hugging Face Hub dataset ``ORG/NAME[@REVISION][[:CONFIG]:SPLIT]``
+(``tasks.hub_data``: read through the ``datasets`` cache; a path that exists here is a path)
+or a list of these. Files are read with Hugging Face `datasets`
+(`load_dataset('parquet'|'json', data_files=...)`), each on its own, so files of different
+schemas (K&K and math) mix freely.
+
+Columns (verl's layout by default; a TRL-style dataset names its own):
+  prompt_key    the prompt: a string, or a list of {'role', 'content'} chat messages. A list
+                that ends with the assistant's message (TRL's `messages`) is the conversation
+                before it: that answer is cut from the prompt.
+  answer_key    the ground truth the reward compares with (default `reward_model.ground_truth`);
+                the same column as prompt_key: the content of the assistant's message it cut.
+  data_source   the column `data_source`; rows without one take the `data_source` argument.
+Dotted names (`reward_model.ground_truth`) reach into nested columns. A missing or null value
+raises ValueError naming the file, the row index and the column. Ground truths keep their Python
+type (string, float such as amc's 142.0, dict for K&K, ...).
 
 Prompt styles (per row with prompt_style='auto'):
   template  the prompt is a string, or one message whose content already holds the
             chat template (it contains '<|im_start|>assistant'), as in the public K&K
             files: that text is tokenized as-is.
-  messages  a list of chat messages: the tokenizer's chat template is applied with
-            add_generation_prompt=True.
+  messages  a list of chat messages (a string: the user's one message): the tokenizer's
+            chat template is applied with add_generation_prompt=True.
 Token ids come from `tokenizer(text, add_special_tokens=False)`: the text already
 holds every special token it needs.
 
@@ -42,23 +52,37 @@ from typing import Any
 
 import numpy as np
 
+from arlopti_jax.tasks.hub_data import HubSplit, load_hub_rows, parse_hub_split
+
 log = logging.getLogger(__name__)
 
 DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json"}
 EMBEDDED_TEMPLATE_MARKER = "<|im_start|>assistant"
 PROMPT_STYLES = ("auto", "template", "messages")
 PathLike = str | Path
+DataFile = Path | HubSplit  # a local file, or a split of a Hub dataset
+DEFAULT_ANSWER_KEY = "reward_model.ground_truth"
 
 
-def resolve_data_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
-    """Files named by `paths` (files, folders, or a list of them), in order. A folder gives its own
-    data files, not its sub-folders': the public K&K layout keeps train and test files in
-    sub-folders of one folder, so a recursive search would train on test puzzles."""
-    if isinstance(paths, (str, Path)):
+def resolve_data_files(paths: PathLike | HubSplit | Sequence[PathLike | HubSplit],
+                       default_split: str = "train") -> list[DataFile]:
+    """Files named by `paths` (files, folders, Hub datasets, or a list of them), in order. A folder
+    gives its own data files, not its sub-folders': the public K&K layout keeps train and test files
+    in sub-folders of one folder, so a recursive search would train on test puzzles. A name that is
+    no path here but has a Hub dataset's form is a Hub dataset (``default_split`` without a split);
+    whether the Hub or a cache has it is found when its rows are read."""
+    if isinstance(paths, (str, Path, HubSplit)):
         paths = [paths]
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
+    files: list[DataFile] = []
+    for spec in paths:
+        if isinstance(spec, HubSplit):
+            files.append(spec)
+            continue
+        p = Path(spec)
+        hub = None if p.exists() or p.suffix in DATA_SUFFIXES else parse_hub_split(str(spec), default_split)
+        if hub is not None:
+            files.append(hub)
+        elif p.is_dir():
             found = sorted(f for f in p.iterdir() if f.suffix in DATA_SUFFIXES and f.is_file())
             if not found:
                 below = ("; sub-folders are not searched: name their files"
@@ -76,7 +100,9 @@ def resolve_data_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
     return files
 
 
-def _read_file(path: Path, cache_dir: str | None) -> list[dict]:
+def _read_file(path: DataFile, cache_dir: str | None) -> list[dict]:
+    if isinstance(path, HubSplit):
+        return load_hub_rows(path, cache_dir)
     import datasets
 
     ds = datasets.load_dataset(
@@ -85,30 +111,57 @@ def _read_file(path: Path, cache_dir: str | None) -> list[dict]:
     return ds.to_list()
 
 
-def _required(row: dict, column: str, path: Path, index: int) -> Any:
+def _value(row: dict, column: str) -> Any:
+    """The row's value at a dotted column name (None when absent or null)."""
     value: Any = row
     for part in column.split("."):
         value = value.get(part) if isinstance(value, dict) else None
-        if value is None:
-            raise ValueError(f"{path}: row {index}: missing column {column!r}")
     return value
 
 
+def _required(row: dict, column: str, path: DataFile, index: int, hint: str = "") -> Any:
+    value = _value(row, column)
+    if value is None:
+        raise ValueError(f"{path}: row {index}: missing column {column!r}{hint}")
+    return value
+
+
+def split_answer(prompt: Any) -> tuple[Any, Any]:
+    """(the prompt, the assistant's answer or None): a message list ending with the assistant's
+    message is the conversation before it, and that message's content its answer."""
+    if (isinstance(prompt, (list, tuple)) and len(prompt) > 1 and isinstance(prompt[-1], dict)
+            and prompt[-1].get("role") == "assistant"):
+        return list(prompt[:-1]), prompt[-1].get("content")
+    return prompt, None
+
+
 def load_rows(
-    paths: PathLike | Sequence[PathLike], *, prompt_key: str = "prompt", cache_dir: str | None = None
+    paths: PathLike | HubSplit | Sequence[PathLike | HubSplit], *, prompt_key: str = "prompt",
+    answer_key: str = DEFAULT_ANSWER_KEY, data_source: str = "", cache_dir: str | None = None,
+    default_split: str = "train",
 ) -> list[dict]:
-    """Rows as {'prompt', 'data_source', 'ground_truth', 'extra_info', 'source', 'row'}."""
+    """Rows as {'prompt', 'data_source', 'ground_truth', 'extra_info', 'source', 'row'} (the
+    columns: module docstring)."""
     rows = []
-    for path in resolve_data_files(paths):
+    for path in resolve_data_files(paths, default_split):
         raw = _read_file(path, cache_dir)
         if not raw:
             log.warning("%s: no rows", path)
         for i, r in enumerate(raw):
+            prompt, answer = split_answer(_required(r, prompt_key, path, i))
+            if answer_key != prompt_key:
+                answer = _required(r, answer_key, path, i)
+            elif answer is None:
+                raise ValueError(f"{path}: row {i}: missing column {prompt_key!r}'s answer (its last message is not "
+                                 "the assistant's)")
+            source = _value(r, "data_source")
+            if source is None and not data_source:
+                _required(r, "data_source", path, i, " (or set data.data_source for rows without one)")
             extra = r.get("extra_info")
             rows.append({
-                "prompt": _required(r, prompt_key, path, i),
-                "data_source": str(_required(r, "data_source", path, i)),
-                "ground_truth": _required(r, "reward_model.ground_truth", path, i),
+                "prompt": prompt,
+                "data_source": str(data_source if source is None else source),
+                "ground_truth": answer,
                 "extra_info": extra if isinstance(extra, dict) else {},
                 "source": str(path),
                 "row": i,
@@ -140,14 +193,18 @@ class PromptDataset:
 
     def __init__(
         self,
-        paths: PathLike | Sequence[PathLike],
+        paths: PathLike | HubSplit | Sequence[PathLike | HubSplit],
         tokenizer: Any,
         max_prompt_length: int | None = None,
         prompt_key: str = "prompt",
         prompt_style: str = "auto",
         cache_dir: str | None = None,
+        answer_key: str = DEFAULT_ANSWER_KEY,
+        data_source: str = "",
+        default_split: str = "train",
     ):
-        rows = load_rows(paths, prompt_key=prompt_key, cache_dir=cache_dir)
+        rows = load_rows(paths, prompt_key=prompt_key, answer_key=answer_key, data_source=data_source,
+                         cache_dir=cache_dir, default_split=default_split)
         texts = []
         for r in rows:
             try:

@@ -2,9 +2,13 @@
 
 verl's convention: a reward function is
 
-    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
-where solution_str is the decoded prompt and response together. The built-in
+where solution_str is the decoded prompt and response together. It returns the score, or a
+verl-style dict: ``{'score': float, 'acc': bool, ...}`` with the score, optionally the
+reward's own verdict on whether the response is correct (``acc``), and any other numbers to
+log. `score_rewards` gives each item as a `Reward` (score, acc, info, failed); `score_batch`
+gives the scores alone. The built-in
 `compute_score` routes on data_source:
 
     kk_logic*                                      -> kk_reward.compute_kk_score
@@ -13,8 +17,9 @@ where solution_str is the decoded prompt and response together. The built-in
 `load_reward_fn(spec)` returns that router for spec None, or the function named by a
 'package.module:function' import path.
 
-`score_batch` scores many responses under a per-item time limit; an item that raises,
-overruns or returns a non-finite value gets `failure_score`. The limit holds on every
+`score_rewards` / `score_batch` score many responses under a per-item time limit; an item that
+raises, overruns or returns a non-finite score (or a dict without one) gets `failure_score`
+and is marked failed. The limit holds on every
 path, because a call that may overrun only ever runs where it can be killed:
   * a user function (anything but the built-in router) always runs in worker processes
     (workers.WorkerPool, spawn/forkserver, safe with JAX in the parent; at least one, also
@@ -38,6 +43,7 @@ K&K's parsed assignment, math's normalised boxed answer; None for other sources.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
 import logging
 import math
@@ -52,7 +58,7 @@ from arlopti_jax.tasks.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[..., float]
+RewardFn = Callable[..., Any]  # -> float, or a dict with 'score' (verl's)
 KK_PREFIX = "kk_logic"
 MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler", "arith")  # arith: tasks/arith.py
 DEFAULT_TIMEOUT_S = 10.0
@@ -120,12 +126,39 @@ def load_reward_fn(spec: str | None = None) -> RewardFn:
     return fn
 
 
-def _as_score(value: Any, failure_score: float) -> float:
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """One scored item: its score, the reward's own verdict ``acc`` (None when it gave none),
+    its other numeric values ``info``, and whether scoring failed (raised, overran, or returned
+    no finite score: the score is then the failure score)."""
+
+    score: float
+    acc: bool | None = None
+    info: dict[str, float] = dataclasses.field(default_factory=dict)
+    failed: bool = False
+
+
+def _finite(value: Any) -> float | None:
     try:
-        score = float(value)
+        number = float(value)
     except (TypeError, ValueError):
-        return failure_score
-    return score if math.isfinite(score) else failure_score
+        return None
+    return number if math.isfinite(number) else None
+
+
+def as_reward(value: Any, failure_score: float) -> Reward:
+    """A reward function's return value (a score, or a dict with 'score') as a Reward."""
+    if not isinstance(value, dict):
+        score = _finite(value)
+        return Reward(failure_score, failed=True) if score is None else Reward(score)
+    score = _finite(value.get("score"))
+    if score is None:
+        return Reward(failure_score, failed=True)
+    acc = value.get("acc")
+    verdict = None if acc is None or _finite(acc) is None else bool(_finite(acc))
+    info = {str(k): float(v) for k, v in value.items()
+            if k not in ("score", "acc") and not isinstance(v, str) and _finite(v) is not None}
+    return Reward(score, verdict, info)
 
 
 _pools: dict[tuple[int, str, bool, tuple[str, ...]], WorkerPool] = {}
@@ -155,7 +188,7 @@ def default_num_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
-def score_batch(
+def score_rewards(
     fn: RewardFn,
     data_sources: Sequence[str],
     solution_strs: Sequence[str],
@@ -166,13 +199,13 @@ def score_batch(
     failure_score: float = 0.0,
     inline_below: int = 8,
     mp_context: str = "spawn",
-) -> list[float]:
-    """fn(data_source, solution_str, ground_truth, extra_info) for every item, as floats.
+) -> list[Reward]:
+    """fn(data_source, solution_str, ground_truth, extra_info) for every item, as Rewards.
 
-    Each call is limited to `timeout_s` seconds; an item that raises, overruns or returns a
-    non-number scores `failure_score`. Where items run (the module docstring says why): the
-    built-in router `compute_score` in this process when num_workers=0 or there are fewer
-    than `inline_below` items; otherwise, and for any other function always, in
+    Each call is limited to `timeout_s` seconds; an item that raises, overruns or returns no
+    finite score is failed and scores `failure_score`. Where items run (the module docstring says
+    why): the built-in router `compute_score` in this process when num_workers=0 or there are
+    fewer than `inline_below` items; otherwise, and for any other function always, in
     `num_workers` worker processes (default: cpu count - 1, at most 8; at least 1), an
     overrunning one killed and replaced.
     """
@@ -191,15 +224,21 @@ def score_batch(
     items = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
     num_workers = default_num_workers() if num_workers is None else num_workers
     if builtin and (num_workers == 0 or n < inline_below):
-        scores = []
+        rewards = []
         for i, args in enumerate(items):
             try:
-                scores.append(_as_score(compute_score(*args, timeout_s=timeout_s), failure_score))
+                rewards.append(as_reward(compute_score(*args, timeout_s=timeout_s), failure_score))
             except Exception as e:
                 log.warning("reward raised on item %d (data_source %r): %s", i, args[0], e)
-                scores.append(failure_score)
-        return scores
+                rewards.append(Reward(failure_score, failed=True))
+        return rewards
     in_main = getattr(fn, "__module__", None) == "__main__"  # its workers must import __main__
     pool = _pool(max(1, num_workers), mp_context, in_main, _BUILTIN_PRELOAD if builtin else ())
-    raw = pool.map(fn, items, timeout_s, failure_value=failure_score)
-    return [_as_score(v, failure_score) for v in raw]
+    failed = object()  # what the pool gives an item that raised or overran
+    raw = pool.map(fn, items, timeout_s, failure_value=failed)
+    return [Reward(failure_score, failed=True) if v is failed else as_reward(v, failure_score) for v in raw]
+
+
+def score_batch(fn: RewardFn, *args, **kwargs) -> list[float]:
+    """The scores of ``score_rewards(fn, ...)`` (same arguments), as floats."""
+    return [r.score for r in score_rewards(fn, *args, **kwargs)]

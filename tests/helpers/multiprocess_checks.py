@@ -33,6 +33,15 @@ def main():
     # uneven per-process rows (eval chunks) come back whole, in process order
     a, b = dist.gather(np.arange(3 * pid, 3 * pid + 2 + pid), np.full(2 + pid, pid == 0))
     assert a.tolist() == [0, 1, 3, 4, 5] and b.tolist() == [True, True, False, False, False], (a, b)
+    # JSON values of different sizes, in process order; reward dicts' numbers over the keys any process's gave
+    assert dist.gather_json({"p": pid, "keys": ["a"] * (1 + 3 * pid)}) == [{"p": 0, "keys": ["a"]},
+                                                                          {"p": 1, "keys": ["a"] * 4}]
+    from arlopti_jax.rl.evaluation import gather_info
+
+    info = gather_info({"fmt": np.full(2 + pid, pid, np.float32)} if pid == 0 else
+                       {"fmt": np.ones(3, np.float32), "len": np.arange(3, dtype=np.float32)}, 2 + pid)
+    assert sorted(info) == ["fmt", "len"] and info["fmt"].tolist() == [0, 0, 1, 1, 1], info
+    assert np.isnan(info["len"][:2]).all() and info["len"][2:].tolist() == [0, 1, 2], info
     # process-local rows -> a global batch -> this process's rows again; the whole array on every host
     mesh = dist.process_contiguous(shd.make_mesh({"fsdp": -1}))
     local = np.arange(8 * pid, 8 * pid + 8, dtype=np.float32).reshape(4, 2)

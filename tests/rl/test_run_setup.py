@@ -1,5 +1,6 @@
-"""From config to run objects: EOS ids from generation_config.json (stopping and response mask), and
-the sampled evaluation's own temperature."""
+"""From config to run objects: EOS ids from generation_config.json (stopping and response mask), the
+sampled evaluation's own temperature, and the data fields (columns, a default data source, Hub
+dataset names) as a run's start-up reads them."""
 
 import dataclasses
 import json
@@ -105,3 +106,36 @@ def test_the_step_count_control_is_grpo_with_as_many_optimizer_steps_as_lopti(sc
 
     assert steps_per_rl_step("grpo_2x_steps") == steps_per_rl_step("grpo_lopti") == 2 * steps_per_rl_step("grpo")
     assert config("grpo_2x_steps").to_dict() == config("grpo").to_dict()  # nothing else differs
+
+
+def test_the_data_fields_reach_the_run_and_an_unknown_data_source_stops_its_start_up(start_point, tmp_path):
+    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = {"data.train_files": str(qa), "data.test_files": str(qa), "data.prompt_key": "question",
+              "data.answer_key": "answer", "data.data_source": "arith", "data.prompt_style": "messages"}
+    inputs = run_setup.prepare_inputs(make_config(overrides(start_point, tmp_path / "run", **fields)))
+    tok = inputs.tokenizer
+    for data in (inputs.iterator.dataset, inputs.test_sets["qa"]):
+        assert [r["ground_truth"] for r in data.rows] == ["3", "7", "11", "15"]
+        assert {r["data_source"] for r in data.rows} == {"arith"}
+        assert [r["prompt_text"] for r in data.rows] == [
+            tok.apply_chat_template([{"role": "user", "content": r["question"]}], tokenize=False,
+                                    add_generation_prompt=True) for r in rows]
+    # the built-in reward has no 'gsm8k': the start-up says so, naming the field; a reward.fn may take it
+    unknown = make_config(overrides(start_point, tmp_path / "run", **{**fields, "data.data_source": "gsm8k"}))
+    with pytest.raises(ValueError, match="^config.data.train_files: no reward function for data_source 'gsm8k'"):
+        run_setup.prepare_inputs(unknown)
+    unknown.reward.fn = "my_rewards:score"  # imported by the trainer after the start-up
+    assert run_setup.prepare_inputs(unknown).iterator.dataset.rows[0]["data_source"] == "gsm8k"
+
+
+def test_hub_dataset_names_in_the_data_fields(start_point, tmp_path):
+    from arlopti_jax.tasks.hub_data import HubSplit
+
+    config = make_config(overrides(start_point, tmp_path / "run", **{
+        "data.train_files": "acme/tiny-qa", "data.test_files": "acme/tiny-qa,openai/gsm8k:main:test"}))
+    _, train, test = run_setup.resolve_paths(config)
+    assert train == [HubSplit("acme/tiny-qa", "train")]  # each field's split when none is named
+    assert test == [HubSplit("acme/tiny-qa", "test"), HubSplit("openai/gsm8k", "test", "main")]
+    assert [run_setup.eval_set_name(f) for f in test] == ["tiny-qa_test", "gsm8k_main_test"]

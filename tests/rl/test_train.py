@@ -164,10 +164,14 @@ def test_a_missing_path_is_one_error_line(start_point, tmp_path, module, field):
 
 
 @pytest.mark.slow  # about a minute on 2 cores; CI runs the slow tests
-def test_export_and_eval_clis(start_point, tmp_path):
+def test_export_and_eval_clis(start_point, tmp_path, monkeypatch):
+    from tracker_readers import offline_env, read_mlflow, read_wandb
+
+    uri = offline_env(tmp_path, monkeypatch)  # W&B offline, MLflow's file store
     values = overrides(start_point, tmp_path / "e", **{"train.max_steps": 2, "data.test_files":
-                                                      str(start_point / "data" / "test_2ppl.parquet")})
-    train(make_config(values))
+                                                      str(start_point / "data" / "test_2ppl.parquet"),
+                                                      "train.loggers": "tensorboard,wandb,mlflow"})
+    summary = train(make_config(values))
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "arlopti_jax.export", "--checkpoint",
                            str(tmp_path / "e" / "checkpoints" / "2"), "--out", str(out)],
@@ -219,6 +223,27 @@ def test_export_and_eval_clis(start_point, tmp_path):
         assert value == pytest.approx(jsonl[step]["reward/mean"], rel=1e-6)
     png = plot(tmp_path / "e", tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # W&B and MLflow hold the run's config, every scalar of metrics.jsonl, its samples and its summary
+    wandb, mlflow = read_wandb(tmp_path / "e"), read_mlflow(uri)
+    for line in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        step = record.pop("step")
+        for key, value in record.items():
+            assert wandb["history"][step][key] == value, key
+            assert (step, value) in mlflow["metrics"][key.replace("@", "_")], key
+    assert wandb["config"]["train"]["loggers"] == "tensorboard,wandb,mlflow" and wandb["config"]["rollout"]["n"] == 4
+    assert mlflow["params"]["rollout.n"] == "4" and json.loads(mlflow["texts"]["config.json"])["run_dir"] == \
+        str(tmp_path / "e")
+    for step in (1, 2):  # train.samples_every = 1
+        [[sample]] = wandb["history"][step]["samples"]
+        assert sample.startswith("reward ") and mlflow["texts"][f"samples/step_{step:08d}.txt"] == sample
+    assert summary["scalars"]["summary/eval/test_2ppl/greedy_acc"] == records[-1]["eval/test_2ppl/greedy_acc"]
+    for key, value in summary["scalars"].items():
+        assert wandb["summary"][key] == pytest.approx(value)
+        assert mlflow["metrics"][key.replace("@", "_")] == [(2, pytest.approx(value))]
+    assert wandb["summary"]["summary"] == summary["text"] == mlflow["texts"]["summary.txt"]
+    assert "evaluation before -> after" in summary["text"] and mlflow["status"] == "FINISHED"
 
 
 def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint(tmp_path):
