@@ -166,11 +166,15 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
                                            model_path, inputs.base_sha256, eval_pending))
         if stopping:  # inside the grace period: the save is complete before the process exits
             ckpt.wait()
-            seconds = time.monotonic() - began
-            (log.warning if seconds > config.train.grace_s else log.info)(
-                "checkpoint %d saved in %.1f s on the stop signal (train.grace_s=%g)", step, seconds,
-                config.train.grace_s)
+            saved["seconds"] = time.monotonic() - began
         saved.update(step=step, time=time.monotonic())
+
+    def stopped_at(step):
+        seconds = saved.get("seconds")
+        log.warning("received %s: checkpoint %d saved%s, exiting (exit code %d: resume me)",
+                    preempted.signal_name or "a stop signal on another process", step,
+                    "" if seconds is None else f" in {seconds:.1f} s (train.grace_s={config.train.grace_s:g}"
+                    + (": over it" if seconds > config.train.grace_s else "") + ")", STOPPED_EXIT_CODE)
 
     def stop_now(step, data_state) -> bool:
         """Whether any process has a stop signal (every process asks at the same points, so all stop
@@ -179,8 +183,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             return False
         if saved["step"] < step:
             save(step, data_state=data_state, stopping=True)
-        log.warning("received %s: checkpoint %d saved, exiting (exit code %d: resume me)",
-                    preempted.signal_name or "a stop signal on another process", step, STOPPED_EXIT_CODE)
+        stopped_at(step)
         return True
 
     if test_sets and config.train.eval_before and start_step == 0:
@@ -277,8 +280,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         if done % config.train.save_every == 0 or done == steps or timely or stop:
             save(done, eval_pending=due and stop, stopping=stop)
         if stop:
-            log.warning("received %s: checkpoint %d saved, exiting (exit code %d: resume me)",
-                        preempted.signal_name or "a stop signal on another process", done, STOPPED_EXIT_CODE)
+            stopped_at(done)
             stopped = True
             break
 

@@ -1,4 +1,5 @@
-"""A GCS emulator (``gcp-storage-emulator``, with real GCS's generation headers: gcs_emulator.py) on localhost for the bucket tests: ``bucket(name)``
+"""A GCS emulator (``gcp-storage-emulator``, with real GCS's generation headers: gcs_emulator.py)
+on localhost for the bucket tests: ``bucket(name)``
 yields ``gs://name`` with the environment pointing gcsfs, google-cloud-storage and tensorstore
 (what orbax writes arrays through) at it, for this process and its children."""
 

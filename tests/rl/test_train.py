@@ -101,7 +101,8 @@ def test_sigterm_leaves_a_loadable_checkpoint(start_point, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 75, out[-3000:]  # stopped, resume me (a finished run exits 0)
-    assert "received SIGTERM" in out and re.search(r"checkpoint \d+ saved in [0-9.]+ s on the stop signal", out)
+    assert re.search(r"received SIGTERM: checkpoint \d+ saved in [0-9.]+ s \(train.grace_s=30\), exiting "
+                     r"\(exit code 75", out)
     last = max(step_metrics(tmp_path / "t"))
     ckpt = Checkpointer(tmp_path / "t" / "checkpoints")
     assert ckpt.steps() == [last]

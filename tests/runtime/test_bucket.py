@@ -85,5 +85,6 @@ def test_a_run_in_a_bucket_killed_and_resumed_equals_the_uninterrupted_one(gcs, 
     got = step_metrics(f"{bucket}/b")
     for step in (1, 2, 3, 4):
         assert got[step] == want[step], f"step {step} differs after resume"
-    lines = lambda run: [json.loads(x)["step"] for x in paths.path(f"{bucket}/{run}/metrics.jsonl").read_text().splitlines()]
+    lines = lambda run: [json.loads(x)["step"]
+                         for x in paths.path(f"{bucket}/{run}/metrics.jsonl").read_text().splitlines()]
     assert lines("b") == lines("a")

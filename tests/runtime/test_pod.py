@@ -82,11 +82,10 @@ def test_sigterm_to_one_host_stops_all_at_one_step_and_resume_finishes_the_run(s
     saved = {}
     for i in range(4):
         log = (tmp_path / "b" / f"process_{i}.log").read_text()
-        steps = re.findall(r"checkpoint (\d+) saved, exiting \(exit code 75", log)
-        assert len(steps) == 1, log[-3000:]
-        saved[i] = int(steps[0])
-        seconds = re.findall(r"checkpoint \d+ saved in ([0-9.]+) s on the stop signal", log)
-        assert seconds and float(seconds[0]) < 30, log[-3000:]  # inside train.grace_s
+        stops = re.findall(r"checkpoint (\d+) saved in ([0-9.]+) s \(train.grace_s=30\), exiting \(exit code 75", log)
+        assert len(stops) == 1, log[-3000:]
+        saved[i] = int(stops[0][0])
+        assert float(stops[0][1]) < 30, log[-3000:]  # inside the grace period
     assert len(set(saved.values())) == 1 and 2 <= saved[0] < 6, saved
     assert paths.path(f"{bucket}/b/checkpoints/{saved[0]}").is_dir()
 
