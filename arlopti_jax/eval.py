@@ -91,7 +91,7 @@ def main(argv) -> int:
             adopt_checkpoint_settings(config, folder)
             # a LoRA checkpoint's adapters go with the base they were trained on; its arrays with the model's shapes
             resume.check_checkpoint_base(folder, model_path, config.model.lora_rank)
-            resume.check_checkpoint(config, run_setup.model_config(config, model_path), folder=folder)
+            resume.check_checkpoint(config, run_setup.model_config(config, model_path), folder=folder, resuming=False)
         tokenizer = run_setup.load_tokenizer(model_path)
         sets = {}
         for f in test_files:

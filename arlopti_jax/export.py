@@ -59,7 +59,7 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[Path, ml_collections.Config
     config = ml_collections.ConfigDict(json.loads(meta["config"]))
     resume.check_checkpoint_base(folder, model_path, int(config.model.get("lora_rank", 0)))
     # its arrays against the model folder's shapes (a folder changed since the run), from metadata alone
-    resume.check_checkpoint(config, run_setup.model_config(config, model_path), folder=folder)
+    resume.check_checkpoint(config, run_setup.model_config(config, model_path), folder=folder, resuming=False)
     return folder, config, model_path
 
 

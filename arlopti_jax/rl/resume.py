@@ -133,24 +133,27 @@ def _value(value) -> str:
     return json.dumps(value)
 
 
-def check_checkpoint(config, model_cfg: ModelConfig, iterator=None, folder: Path | None = None) -> None:
+def check_checkpoint(config, model_cfg: ModelConfig, iterator=None, folder: Path | None = None,
+                     resuming: bool = True) -> None:
     """ValueError, one line, where the checkpoint a run resumes from (``resume_folder``, or
     ``folder``) was written by a run it cannot continue: other LoRA settings or parameter dtype
     (``PARAM_FIELDS``), another data order (``DATA_FIELDS``, and the training set's size and batch
     by ``iterator``'s state), or parameter arrays of other shapes than ``model_cfg``'s (read from
-    orbax's metadata, loading nothing). Nothing is checked where the run starts fresh."""
+    orbax's metadata, loading nothing). Nothing is checked where the run starts fresh. ``resuming``
+    False (``eval --checkpoint``, ``export``: they read the parameters alone, at the checkpoint's own
+    settings): the shapes alone are checked."""
     folder = resume_folder(config) if folder is None else folder
     meta = checkpoint_meta(folder) if folder is not None else None
     if meta is None:
         return
     saved = stored_config(meta)
-    ours, theirs = model_settings(config), model_settings(saved) if "model" in saved else {}
+    ours, theirs = model_settings(config), model_settings(saved) if "model" in saved and resuming else {}
     for name in PARAM_FIELDS:
         if name in theirs and theirs[name] != ours[name]:
             raise ValueError(f"config.model.{name}={_value(ours[name])} but the checkpoint {folder} was written "
                              f"with {_value(theirs[name])}: resume with --config.model.{name}={_value(theirs[name])}, "
                              "or use another run_dir")
-    for field in DATA_FIELDS:
+    for field in DATA_FIELDS if resuming else ():
         group, name = field.split(".")
         if group not in saved or name not in saved[group]:
             continue
@@ -159,7 +162,7 @@ def check_checkpoint(config, model_cfg: ModelConfig, iterator=None, folder: Path
             raise ValueError(f"config.{field}={_value(mine)} but the checkpoint {folder} was written with "
                              f"{_value(theirs_value)}: a resumed run keeps its data order; resume with "
                              f"--config.{field}={_value(theirs_value)}, or use another run_dir")
-    if iterator is not None and "data" in meta:
+    if resuming and iterator is not None and "data" in meta:
         try:
             iterator.check_state(meta["data"])
         except ValueError as err:

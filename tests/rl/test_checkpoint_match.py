@@ -98,6 +98,11 @@ def test_eval_reads_a_checkpoint_at_its_own_lora_settings(lora_run, capsys):
     out = capsys.readouterr().out
     assert "note: model.lora_alpha=8.0 from the checkpoint" in out and "(this command's is 16.0)" in out
     assert "note: model.lora_targets=q,v" in out and "lora_rank" not in out
+    # eval reads the parameters alone: another batch or data order is not a resume's mismatch
+    other = make_config({**values, "train.batch_prompts": 2, "data.shuffle_seed": 9})
+    eval_command.adopt_checkpoint_settings(other, Path(values["run_dir"]) / "checkpoints" / "2")
+    resume.check_checkpoint(other, run_setup.model_config(other, Path(values["model.path"])),
+                            folder=Path(values["run_dir"]) / "checkpoints" / "2", resuming=False)
 
 
 def test_export_reads_the_parameters_alone_on_fewer_devices(lora_run, tmp_path):
