@@ -14,8 +14,9 @@ The numerics follow the backend found when the config is loaded (``runtime.chips
     tpu       bfloat16 activations, float32 weights, XLA's attention
 
 On a GPU or TPU remat stays off (the model is tiny: memory is no constraint) and the 4 layers stay
-unrolled. On one H200 (2026-11-27, docs/measurements/gpu_2026-11-27/) this default ran end to end
-in 81.6 s with an empty compilation cache and 24.9 s with a warm one. Scan against unroll was not
+unrolled. On one H200 this default ran end to end in 91 s with an empty compilation cache
+(2026-11-27 night, ed51b63, with the decode kernel: docs/measurements/gpu_2026-11-27c/; 81.6 s
+that morning before it) and 24.9 s with a warm one (the morning's run, the only warm one). Scan against unroll was not
 measured there; compiler figures for an H100 favour unrolling (``python -m arlopti_jax.aot
 --target=h100 --config.model.dtype=bfloat16 --config.model.attention=cudnn
 --config.model.unroll_layers=True|False --config.compile_cache_dir=""``, compile-only on a shared
