@@ -439,37 +439,47 @@ def _reduce_metrics(per_step: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def update_on_batch(step: TrainStep, params, opt_state, batch: dict[str, Any],
-                    passes: Sequence[tuple[Array, Array]], mini_batch_size: int, *, shuffle_key=None):
-    """Update on one rollout batch: for each pass of ``prepare_updates`` (1, or 2 with Lopti),
-    in order, one optimizer step per mini-batch over the whole batch. pi_old
+                    passes: Sequence[tuple[Array, Array]], mini_batch_size: int, *, epochs: int = 1,
+                    shuffle_key=None):
+    """Update on one rollout batch: ``epochs`` times (the GRPO paper's mu, ``train.ppo_epochs``),
+    each pass of ``prepare_updates`` (1, or 2 with Lopti: low then high in every epoch), in
+    order, one optimizer step per mini-batch over the whole batch. pi_old
     (``batch['old_logprobs']``) is the sampling policy's throughout: not recomputed between
-    passes. Mini-batches are taken in row order, or in a permutation drawn from
-    ``fold_in(shuffle_key, pass_index)``. Each mini-batch is packed once; the passes reuse
-    the packing.
+    passes or epochs, so later epochs' ratios measure how far the policy has moved and the PPO
+    clip bounds them. Mini-batches are taken in row order (the same mini-batches in every epoch,
+    as verl's default ``actor.shuffle=False``), or in a permutation drawn from
+    ``fold_in(shuffle_key, epoch x len(passes) + pass_index)``. Each mini-batch is packed once;
+    the passes and epochs reuse the packing.
 
     batch: [B, T] rollout arrays ``input_ids``, ``attention_mask``, ``response_mask``,
     ``old_logprobs`` (+ ``ref_logprobs`` when the KL is on); host arrays, or global arrays
     (gathered to every process here). B a multiple of mini_batch_size.
-    Returns ``(params, opt_state, [metrics of pass 0, metrics of pass 1, ...])``, each the mean
-    over the pass's optimizer steps (``ratio_max``: the max), as Python floats.
+    Returns ``(params, opt_state, metrics)``: one dict per (epoch, pass), epoch-major (epoch 0's
+    passes, then epoch 1's, ...), each the mean over that pass's optimizer steps (``ratio_max``:
+    the max), as Python floats.
     """
+    if epochs < 1:
+        raise ValueError(f"epochs={epochs}: must be >= 1")
     base = _dense_host(batch, tuple(k for k in step.keys if k not in ("advantages", "loss_mask")))
     rows = base["input_ids"].shape[0]
     if rows % mini_batch_size:
         raise ValueError(f"rollout batch of {rows} rows is not a multiple of mini_batch_size={mini_batch_size}")
+    fulls = [{**base, "advantages": dist.to_host(advantages), "loss_mask": dist.to_host(loss_mask)}
+             for advantages, loss_mask in passes]
     plans: dict[tuple, list] = {}
     results = []
-    for i, (advantages, loss_mask) in enumerate(passes):
-        full = {**base, "advantages": dist.to_host(advantages), "loss_mask": dist.to_host(loss_mask)}
-        order = np.arange(rows) if shuffle_key is None else np.asarray(
-            jax.random.permutation(jax.random.fold_in(shuffle_key, i), rows))
-        per_step = []
-        for j in range(rows // mini_batch_size):
-            mini = order[j * mini_batch_size:(j + 1) * mini_batch_size]
-            key = tuple(mini.tolist())
-            if key not in plans:
-                plans[key] = step.plan(full, mini)
-            params, opt_state, metrics = step.run(params, opt_state, full, mini, plans[key])
-            per_step.append(metrics)
-        results.append(_reduce_metrics(jax.device_get(per_step)))
+    for epoch in range(epochs):
+        for i, full in enumerate(fulls):
+            order = np.arange(rows) if shuffle_key is None else np.asarray(
+                jax.random.permutation(jax.random.fold_in(shuffle_key, epoch * len(fulls) + i), rows))
+            per_step = []
+            for j in range(rows // mini_batch_size):
+                mini = order[j * mini_batch_size:(j + 1) * mini_batch_size]
+                key = tuple(mini.tolist())
+                if key not in plans:
+                    plans[key] = step.plan(full, mini)
+                params, opt_state, metrics = step.run(params, opt_state, full, mini, plans[key])
+                per_step.append(metrics)
+            results.append(_reduce_metrics(jax.device_get(per_step)))
     return params, opt_state, results
+

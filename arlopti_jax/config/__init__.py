@@ -134,6 +134,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.batch_prompts = 64  # prompts per RL step (x rollout.n responses)
     c.train.mini_batch = 256  # responses per optimizer step
+    c.train.ppo_epochs = 1  # updates over each rollout batch (the GRPO paper's mu), pi_old the sampler's
     c.train.micro_batch = 8  # sizes the packed micro-batch (with max_tokens_per_micro_batch = 0)
     # tokens per data x fsdp device of a packed micro-batch (sequences packed without padding);
     # 0 = the dense micro-batch's share: micro_batch / (data x fsdp) x (max_prompt_length + max_response_length)
@@ -259,6 +260,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(t.batch_prompts >= 1, "train.batch_prompts", t.batch_prompts, "must be >= 1")
     _check(t.mini_batch >= 1 and responses % t.mini_batch == 0, "train.mini_batch", t.mini_batch,
            f"must divide train.batch_prompts x rollout.n = {responses}")
+    _check(type(t.ppo_epochs) is int and t.ppo_epochs >= 1, "train.ppo_epochs", t.ppo_epochs,
+           "must be an integer >= 1 (1 = one update over each rollout batch)")
     sized_by_rows = t.max_tokens_per_micro_batch == 0  # else the token budget sizes the micro-batch, not micro_batch
     _check(not sized_by_rows or t.micro_batch >= 1 and t.mini_batch % t.micro_batch == 0, "train.micro_batch",
            t.micro_batch, f"must divide train.mini_batch = {t.mini_batch}")

@@ -127,10 +127,16 @@ FIELD_DOCS = {
     "optim.min_lr_ratio": "`warmup_cosine` decays to lr x this",
     "train.batch_prompts": "prompts per RL step (verl's `data.train_batch_size`; TRL's `generation_batch_size` "
                            "counts completions: this x `rollout.n`)",
-    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps); verl's `ppo_mini_batch_size` and "
-                        "tunix's `mini_batch_size` count prompts, so this = theirs x `rollout.n`; TRL's "
-                        "`per_device_train_batch_size` x processes x `gradient_accumulation_steps` counts completions, "
-                        "as this does (docs/reference/peers.md)",
+    "train.mini_batch": "responses per optimizer step (Lopti doubles the steps, `ppo_epochs` multiplies them); "
+                        "verl's `ppo_mini_batch_size` and tunix's `mini_batch_size` count prompts, so this = theirs "
+                        "x `rollout.n`; TRL's `per_device_train_batch_size` x processes x "
+                        "`gradient_accumulation_steps` counts completions, as this does (docs/reference/peers.md)",
+    "train.ppo_epochs": "updates over each rollout batch (the GRPO paper's mu; verl's `ppo_epochs`, TRL's and "
+                        "tunix's `num_iterations`): every epoch runs each pass (Lopti's low then high) over all "
+                        "the mini-batches, the same ones in the same order each epoch, so the optimizer steps per "
+                        "RL step and the schedule's count are multiplied by it; pi_old stays the sampling "
+                        "policy's (never recomputed between epochs) and the PPO clip bounds how far later epochs "
+                        "move from it; `update/epochK/...` logs each epoch when > 1",
     "train.micro_batch": "sizes the packed micro-batch when `max_tokens_per_micro_batch` is 0: room for this many "
                          "sequences (over all data x fsdp devices; verl's `ppo_micro_batch_size_per_gpu` counts per "
                          "GPU) of the longest possible length, so one holds more of shorter responses; each "

@@ -13,7 +13,8 @@ Both train on the other training problems (``OUT/matched_data/train.parquet``), 
 chosen on the data the comparison trains on. What is matched across methods: the start point, the
 training problems and their order per seed, the RL steps, the rollout batch, and the number of
 optimizer steps per RL step, the most any method of ``sweep.MATCHED_METHODS`` makes at the
-scale's mini-batch (Lopti's two passes): a single-pass method's mini-batch is divided to make as
+scale's mini-batch (Lopti's two passes; a scale config's ``train.ppo_epochs`` multiplies every
+method's alike): a single-pass method's mini-batch is divided to make as
 many (``sweep.run_config(optimizer_steps=...)``; ``grpo_2x_steps`` made general). What is not:
 the learning rate, each method's best on validation (mean final sampled accuracy over the grid
 seeds; ties: greedy accuracy, then the lower rate), since the methods scale the gradient

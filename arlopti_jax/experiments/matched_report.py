@@ -138,6 +138,8 @@ def protocol(results: dict) -> list[str]:
                       for r in runs}, key=lambda x: [VARIANTS[m][0] for m in MATCHED_METHODS].index(x[0]))
     per_method = "; ".join(f"{label}: mini-batch {mb}" for label, mb, _ in batches)
     steps = {s for _, _, s in batches}
+    epochs = sorted({r.get("ppo_epochs", 1) for r in runs})  # records before train.ppo_epochs: 1
+    per_epoch = "" if epochs == [1] else f", in each of {'/'.join(map(str, epochs))} epochs over a rollout batch"
     grid = matched.get("lr_grid", [])
     extend = matched.get("grid_extend", 0)
     beyond = (f" (where the best was an end of it, up to {extend} more rate{'s' if extend > 1 else ''} beyond that "
@@ -150,7 +152,7 @@ def protocol(results: dict) -> list[str]:
     metric = matched.get("select_by", "eval/avg/sampled_acc").rsplit("/", 1)[1].replace("_acc", " accuracy")
     return partial + [
         f"**What was matched.** Every run made {matched.get('optimizer_steps_per_rl_step')} optimizer steps per RL "
-        f"step{unmatched} ({per_method}; Lopti's two passes each step once per mini-batch), "
+        f"step{unmatched} ({per_method}; Lopti's two passes each step once per mini-batch{per_epoch}), "
         f"{results['steps']} RL steps, from the same start point, on the same training problems (the start point's, "
         f"less {matched.get('val_prompts')} held out for validation) in the same order per seed, seeds "
         f"{results['seeds']}. Held-out evaluation on at most {results.get('eval_prompts') or 'all'} test problems "

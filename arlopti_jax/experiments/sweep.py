@@ -360,7 +360,8 @@ class Sweep:
         from arlopti_jax.rl.run_setup import optimizer_steps_per_rl_step
 
         return {"lr": config.optim.lr, "mini_batch": config.train.mini_batch,
-                "optimizer_steps_per_rl_step": optimizer_steps_per_rl_step(config), "code": self.code}
+                "optimizer_steps_per_rl_step": optimizer_steps_per_rl_step(config),
+                "ppo_epochs": config.train.ppo_epochs, "code": self.code}
 
     def run_jobs(self, jobs: int, worker_args: list[str]) -> dict:
         """The sweep in ``jobs`` worker processes (``python -m arlopti_jax.reproduce WORKER_ARGS

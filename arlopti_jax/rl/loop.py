@@ -51,12 +51,24 @@ def rollout_metrics(rows, scores, correct, lengths, truncated, n: int) -> dict[s
     return out
 
 
-def update_metrics(pass_metrics: list[dict], lopti: bool) -> dict[str, float]:
-    names = ("low", "high") if lopti else ("",)
+def update_metrics(pass_metrics: list[dict], lopti: algos.LoptiConfig, epochs: int = 1) -> dict[str, float]:
+    """``update/[low/|high/]NAME`` per pass (in the passes' order: a negative eta runs high first)
+    over every epoch: the mean over its optimizer steps, ``ratio_max`` the max, ``optimizer_steps``
+    the sum; with ``epochs`` > 1 also each epoch's, ``update/epochK/[low/|high/]NAME`` (K from 1).
+    ``pass_metrics``: ``update_on_batch``'s, epoch-major."""
+    names = (("low", "high") if lopti.low_first else ("high", "low")) if lopti.enabled else ("",)
     out = {}
-    for name, metrics in zip(names, pass_metrics):
-        prefix = f"update/{name}/" if name else "update/"
-        out.update({prefix + k: v for k, v in metrics.items()})
+    for i, name in enumerate(names):
+        per_epoch = pass_metrics[i::len(names)]
+        part = f"{name}/" if name else ""
+        if epochs > 1:
+            for k, metrics in enumerate(per_epoch, 1):
+                out.update({f"update/epoch{k}/{part}{m}": v for m, v in metrics.items()})
+            reduce = {"ratio_max": max, "optimizer_steps": sum}
+            merged = {m: float(reduce.get(m, np.mean)([e[m] for e in per_epoch])) for m in per_epoch[0]}
+        else:
+            merged = per_epoch[0]
+        out.update({f"update/{part}{m}": v for m, v in merged.items()})
     return out
 
 
@@ -228,20 +240,22 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
                 diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes, rows)
                 if step == 0 and config.train.isolation_experiment:  # and once, on the first batch
                     diagnostics.update(isolation_metrics(run, params, batch, passes))
-        # 5. policy update(s): one pass, or Lopti's low- then high-probability pass
+        # 5. policy update(s): one pass, or Lopti's low- then high-probability pass, train.ppo_epochs
+        # times over the batch (pi_old the sampler's throughout)
         mark = len(train_step.processed)
+        epochs = config.train.ppo_epochs
         with timer("update"):
             params, opt_state, pass_metrics = algos.update_on_batch(
-                train_step, params, opt_state, batch, passes, config.train.mini_batch)
+                train_step, params, opt_state, batch, passes, config.train.mini_batch, epochs=epochs)
         # 6. metrics
         seconds = timer.pop()
         generated = int(sampled.lengths.sum())
-        trained = int(batch["attention_mask"].sum()) * len(passes)
+        trained = int(batch["attention_mask"].sum()) * len(passes) * epochs
         packed = train_step.processed_since(mark)  # what the passes forwarded: a shared prompt once per row
         metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.correct, sampled.lengths,
                                      sampled.truncated, n),
                    **sampled.stats, **diagnostics,
-                   **update_metrics(pass_metrics, run.lopti_cfg.enabled),
+                   **update_metrics(pass_metrics, run.lopti_cfg, epochs),
                    **quartile_metrics(batch, sum(dist.to_host(a) for a, _ in passes)),
                    **{f"time/{k}": v for k, v in seconds.items()},
                    "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),

@@ -298,8 +298,11 @@ def pack_shapes(config, mesh) -> algos.packing.Shapes:
 
 
 def optimizer_steps_per_rl_step(config) -> int:
+    """Mini-batches per rollout batch x passes (2 with Lopti) x ``train.ppo_epochs``: what the
+    schedule counts, and what ``reproduce --matched`` matches."""
     passes = 2 if config.algo.lopti_eta else 1
-    return passes * config.train.batch_prompts * config.rollout.n // config.train.mini_batch
+    return (passes * config.train.ppo_epochs * config.train.batch_prompts * config.rollout.n
+            // config.train.mini_batch)
 
 
 def algo_configs(config):

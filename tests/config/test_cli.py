@@ -82,6 +82,7 @@ def test_reference_config_table_is_the_generated_one():
     ("train.eval_ks", ("1,a",), "train.eval_ks=('1,a',) is invalid"),
     ("train.eval_temperature", 0.0, "train.eval_temperature=0.0 is invalid: must be > 0"),
     ("train.diagnostics_every", -1, "train.diagnostics_every=-1 is invalid"),
+    ("train.ppo_epochs", 0, "train.ppo_epochs=0 is invalid: must be an integer >= 1"),
     ("algo.max_sample_rounds", 0, "algo.max_sample_rounds=0 is invalid: must be >= 1"),
     ("algo.overlong_buffer", 4096, "algo.overlong_buffer=4096 is invalid: must be in [0, rollout.max_response_length"),
     ("algo.overlong_penalty", -1.0, "algo.overlong_penalty=-1.0 is invalid"),

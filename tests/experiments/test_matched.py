@@ -15,8 +15,8 @@ import pytest
 
 from arlopti_jax.experiments import matched
 from arlopti_jax.experiments import sweep
-from arlopti_jax.experiments.matched_report import (accuracy_table, grid_table, paired_table, quartile_table,
-                                                    write_matched_report)
+from arlopti_jax.experiments.matched_report import (accuracy_table, grid_table, paired_table, protocol,
+                                                    quartile_table, write_matched_report)
 from arlopti_jax.rl.run_setup import optimizer_steps_per_rl_step
 
 
@@ -46,6 +46,27 @@ def test_every_method_makes_the_same_optimizer_steps_and_differs_only_in_its_met
         differs = {k for k, v in flat(c).items() if flat(grpo)[k] != v}
         allowed = set(sweep.VARIANTS[method][1]) | {"train.mini_batch", "train.micro_batch"}
         assert differs <= allowed, (method, differs - allowed)
+
+
+def test_ppo_epochs_multiply_every_methods_steps_and_the_matched_count_alike(tmp_path):
+    """A scale config with train.ppo_epochs = 2: the matched count is twice mu = 1's, every method
+    makes it, with the mini-batches of mu = 1 (the epochs multiply each method's steps alike); the
+    record and the report say so."""
+    once, twice = sweep.base_config("cpu"), sweep.base_config("cpu")
+    twice.train.ppo_epochs = 2
+    steps = matched.matched_optimizer_steps(twice, "cpu")
+    assert steps == 2 * matched.matched_optimizer_steps(once, "cpu")
+    for method in sweep.MATCHED_METHODS:
+        c1, c2 = (sweep.run_config(base, method, 0, tmp_path, tmp_path, 8, 0, 0, False, "cpu", optimizer_steps=n)
+                  for base, n in ((once, steps // 2), (twice, steps)))
+        assert optimizer_steps_per_rl_step(c2) == steps and c2.train.mini_batch == c1.train.mini_batch, method
+    runs = sweep.Sweep(tmp_path, ["grpo"], [0], 8, 0, None, 0, "cpu")
+    assert runs.describe("grpo/seed0", c2)["ppo_epochs"] == 2
+    results = {"runs": {"grpo/seed0": {**record("grpo", 0, 0.5, 0.5, 0.5), "ppo_epochs": 2}}, "steps": 8,
+               "variants": ["grpo"], "seeds": [0], "matched": {"optimizer_steps_per_rl_step": 4}}
+    assert "once per mini-batch, in each of 2 epochs over a rollout batch)" in " ".join(protocol(results))
+    results["runs"]["grpo/seed0"].pop("ppo_epochs")  # a record from before the field: one epoch
+    assert "once per mini-batch)" in " ".join(protocol(results))
 
 
 def test_matched_runs_measure_the_quartile_norms_on_the_whole_batch(tmp_path):

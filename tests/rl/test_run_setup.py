@@ -139,3 +139,30 @@ def test_hub_dataset_names_in_the_data_fields(start_point, tmp_path):
     assert train == [HubSplit("acme/tiny-qa", "train")]  # each field's split when none is named
     assert test == [HubSplit("acme/tiny-qa", "test"), HubSplit("openai/gsm8k", "test", "main")]
     assert [run_setup.eval_set_name(f) for f in test] == ["tiny-qa_test", "gsm8k_main_test"]
+
+
+@pytest.mark.parametrize("lopti_eta", [0.0, 0.5])
+def test_the_schedule_counts_every_epochs_optimizer_steps(lopti_eta):
+    """train.ppo_epochs multiplies the optimizer steps per RL step (mini-batches x passes x epochs),
+    so warmup_cosine ends its decay at the run's last optimizer step, not halfway through it."""
+    from arlopti_jax import algos
+
+    def config(epochs):
+        c = base_config()
+        c.train.batch_prompts, c.rollout.n, c.train.mini_batch = 4, 4, 8  # 2 mini-batches
+        c.algo.lopti_eta, c.train.ppo_epochs = lopti_eta, epochs
+        c.optim.schedule, c.optim.warmup_steps, c.optim.min_lr_ratio = "warmup_cosine", 2, 0.1
+        return c
+
+    passes = 2 if lopti_eta else 1
+    for epochs in (1, 2, 3):
+        assert run_setup.optimizer_steps_per_rl_step(config(epochs)) == 2 * passes * epochs
+        optim = run_setup.optim_config(config(epochs), total_rl_steps=5)
+        assert optim.total_steps == 5 * 2 * passes * epochs
+        schedule = algos.make_schedule(optim)
+        assert float(schedule(optim.total_steps)) == pytest.approx(optim.lr * 0.1)
+        assert float(schedule(optim.total_steps // 2)) > optim.lr * 0.5  # mid-run: still near the peak
+    short = config(2)
+    short.optim.warmup_steps = 8 * passes
+    with pytest.raises(ValueError, match=rf"this run has {8 * passes} \(2 RL steps x {4 * passes}\)"):
+        run_setup.optim_config(short, total_rl_steps=2)

@@ -24,17 +24,21 @@ from run_fixtures import (TIMING, cli, kill_after_checkpoint, make_config, overr
 
 @pytest.mark.slow  # end to end, about a minute on 2 cores; CI runs the slow tests
 def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
+    """With two epochs over each rollout batch (train.ppo_epochs; the other resume tests run one)."""
     # A: uninterrupted, in this process (8 fake devices: the mesh is fsdp=8)
-    summary = train(make_config(overrides(start_point, tmp_path / "a")))
+    summary = train(make_config(overrides(start_point, tmp_path / "a", **{"train.ppo_epochs": 2})))
     assert len(summary["rewards"]) == 4
     want = step_metrics(tmp_path / "a")
     assert set(want) == {1, 2, 3, 4}
     assert "update/low/pg_loss" in want[1] and "update/high/pg_loss" in want[1]  # Lopti's two passes
+    # in each of the two epochs (16 responses, mini-batches of 8): 2 optimizer steps per pass and epoch
+    assert want[1]["update/epoch2/high/optimizer_steps"] == 2 and want[1]["update/low/optimizer_steps"] == 4
+    assert want[1]["update/epoch2/low/ppo_kl"] != want[1]["update/epoch1/low/ppo_kl"]
     assert "quartile/q1_mean_prob" in want[1]
     assert not compiles.watch().is_warm  # the warm-up ended with the run: a later one in this process warms up again
 
     # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
-    values = overrides(start_point, tmp_path / "b")
+    values = overrides(start_point, tmp_path / "b", **{"train.ppo_epochs": 2})
     kill_after_checkpoint(values)
     train(make_config({**values, "resume": "auto"}))
     got = step_metrics(tmp_path / "b")
