@@ -43,7 +43,7 @@ PYTHONS = ("python", "python3", ".venv/bin/python")
 # data files are resolved, outputs are only written after the start-up.
 MODEL_FLAGS = ("--config.model.path",)
 CHECKPOINT_FLAGS = ("--checkpoint",)
-OUTPUT_FLAGS = ("--config.run_dir", "--config.out_dir", "--out")
+OUTPUT_FLAGS = ("--config.run_dir", "--config.out_dir", "--out", "--config.compile_cache_dir")
 DATA_FLAGS = ("--config.data.train_files", "--config.data.test_files", "--config.data.files")
 # Devices of a launch: TPU chips by type (v5p and v4 names count TensorCores, 2 a chip).
 TPU_CHIPS = {"v5litepod-16": 16, "v5p-8": 4}
@@ -271,8 +271,8 @@ def substitute(args: list[str], paths: dict[str, str], world) -> list[str]:
         args = _set_flag(args, flag, new)
     for flag in OUTPUT_FLAGS:  # a relative run_dir stays: the default's start point is beside it
         value = _flag_value(args, flag)
-        if value is not None and value.startswith("/") and flag not in paths:
-            args = _set_flag(args, flag, str(root / "outputs" / value.strip("/")))
+        if value is not None and value.startswith(("/", "gs://")) and flag not in paths:  # no bucket here
+            args = _set_flag(args, flag, str(root / "outputs" / value.removeprefix("gs://").strip("/")))
     return args
 
 
@@ -354,12 +354,16 @@ def check_command(tokens: list[str], world, monkeypatch, capsys):
 
 def check_launch(tokens: list[str], world, *, processes: int, devices: int, script: str):
     """A launch script's trainer arguments through the trainer's start-up, in a subprocess with
-    the launch's devices (every option the script itself takes must be one its parser knows)."""
+    the launch's devices (every option the script itself takes must be one its parser knows; a
+    line without trainer arguments, such as ``tpu_pod.sh --status``, checks just those)."""
     text = (REPO / script).read_text()
     options = set(re.findall(r"^\s+(--[a-z-]+)\)", text, re.MULTILINE))
-    split = tokens.index("--") if "--" in tokens else next(i for i, t in enumerate(tokens) if t.startswith("--config"))
+    split = tokens.index("--") if "--" in tokens else next(
+        (i for i, t in enumerate(tokens) if t.startswith("--config")), len(tokens))
     own = [t for t in tokens[:split] if t.startswith("--")]
     assert set(own) <= options, f"{script} does not take {sorted(set(own) - options)}"
+    if split == len(tokens):
+        return
     args = tokens[split + (tokens[split] == "--"):]
     args = substitute(args, path_arguments("arlopti_jax.train", args, world["root"]), world)
     env = {**os.environ, STARTUP_CHECK_ENV: "1", "JAX_PLATFORMS": "cpu",
@@ -410,8 +414,16 @@ def test_example_passes_its_startup(example, world, monkeypatch, capsys):
         check_launch(tokens[tokens.index("launch/slurm_gpu.sh"):], world, processes=nodes,
                      devices=SLURM_GPUS_PER_NODE, script="launch/slurm_gpu.sh")
     elif program == "launch/tpu_pod.sh":
-        check_launch(tokens, world, processes=1, devices=TPU_CHIPS[tokens[tokens.index("--type") + 1]],
-                     script=program)
+        chips = TPU_CHIPS[tokens[tokens.index("--type") + 1]] if "--type" in tokens else 0  # 0: no trainer
+        check_launch(tokens, world, processes=1, devices=chips, script=program)
+    elif program == "hf":  # huggingface_hub's CLI (a dependency): the subcommand and its options exist
+        assert tokens[1] == "download", tokens
+        hf = Path(sys.executable).parent / "hf"
+        usage = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=60).stdout
+        for option in [t.split("=")[0] for t in tokens[2:] if t.startswith("--")]:
+            assert option in usage, f"hf download has no {option}"
+    elif program == "gcloud":  # no gcloud here: the staging copies' form (tpu_pod.sh's are in test_tpu_pod.py)
+        assert tokens[1:4] == ["storage", "cp", "-r"] and tokens[-1].startswith("gs://"), tokens
     else:
         pytest.fail(f"{where}: no start-up check for {program!r}: add one to tests/test_examples.py")
 

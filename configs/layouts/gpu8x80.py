@@ -6,8 +6,8 @@
 The argument is configs/kk.py's MODEL,VARIANT. Both models fit with fsdp=8 and per-layer remat
 (bench/memory_plan.py: peak 16 GiB per GPU for 3B, 31 GiB for 7B, float32 master weights); fsdp
 alone avoids tensor-parallel activation traffic. micro_batch = 8: one sequence per GPU per
-micro-batch. Set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (XLA preallocates 75% by default). For N
-such nodes under SLURM (launch/slurm_gpu.sh), add --config.mesh.data=N --config.train.micro_batch=8N
+micro-batch. Set XLA_CLIENT_MEM_FRACTION=0.95 (XLA preallocates 75% by default; launch/slurm_gpu.sh
+sets it). For N such nodes under SLURM (launch/slurm_gpu.sh), add --config.mesh.data=N --config.train.micro_batch=8N
 (or keep data=1 and let fsdp span all 8N GPUs: --config.mesh.fsdp=-1 --config.train.micro_batch=8N).
 """
 

@@ -2,7 +2,7 @@
 
     launch/tpu_pod.sh --name rl-v5e --zone us-west4-a --type v5litepod-16 --bucket BUCKET -- \
         --config=configs/layouts/v5e16.py:3b,grpo_ar_lopti --config.model.path=/mnt/BUCKET/... \
-        --config.run_dir=/mnt/BUCKET/runs/kk3b
+        --config.run_dir=gs://BUCKET/runs/kk3b
 
 The argument is configs/kk.py's MODEL,VARIANT. 3B: fsdp=16 with remat, float32 master weights;
 compiled for a v5e-16 (python -m arlopti_jax.aot, docs/measurements/aot/) the step peaks at 11.6 GiB per chip
