@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.models import variants
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.policy import abstract_params, param_shardings
 
@@ -52,11 +53,15 @@ def _name_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, callable, ca
         return (lambda b: b.reshape(heads, h), lambda p: p.reshape(heads * h))
 
     pre = "model.layers.{i}."
+    # Gemma's post_attention_layernorm normalises the attention's output; its pre_feedforward_layernorm
+    # is the norm before the MLP, our post_attn_norm in every family
+    sandwich = variants.sandwich_norms(cfg)
     table = {
         ("embedding",): ("model.embed_tokens.weight", *ident),
         ("final_norm", "scale"): ("model.norm.weight", *ident),
         ("layers", "input_norm", "scale"): (pre + "input_layernorm.weight", *ident),
-        ("layers", "post_attn_norm", "scale"): (pre + "post_attention_layernorm.weight", *ident),
+        ("layers", "post_attn_norm", "scale"): (pre + ("pre_feedforward_layernorm.weight" if sandwich else
+                                                       "post_attention_layernorm.weight"), *ident),
         ("layers", "attn", "q_kernel"): (pre + "self_attn.q_proj.weight", *in_proj(n)),
         ("layers", "attn", "k_kernel"): (pre + "self_attn.k_proj.weight", *in_proj(k)),
         ("layers", "attn", "v_kernel"): (pre + "self_attn.v_proj.weight", *in_proj(k)),
@@ -70,6 +75,12 @@ def _name_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, callable, ca
         table[("layers", "attn", "q_bias")] = (pre + "self_attn.q_proj.bias", *bias(n))
         table[("layers", "attn", "k_bias")] = (pre + "self_attn.k_proj.bias", *bias(k))
         table[("layers", "attn", "v_bias")] = (pre + "self_attn.v_proj.bias", *bias(k))
+    if sandwich:
+        table[("layers", "attn_out_norm", "scale")] = (pre + "post_attention_layernorm.weight", *ident)
+        table[("layers", "mlp_out_norm", "scale")] = (pre + "post_feedforward_layernorm.weight", *ident)
+    if cfg.qk_norm:
+        table[("layers", "attn", "q_norm", "scale")] = (pre + "self_attn.q_norm.weight", *ident)
+        table[("layers", "attn", "k_norm", "scale")] = (pre + "self_attn.k_norm.weight", *ident)
     if not cfg.tie_word_embeddings:
         table[("lm_head",)] = ("lm_head.weight", *transpose)
     return table

@@ -208,21 +208,26 @@ AUTO_KERNELS = [("gpu", jnp.bfloat16, "cudnn"), ("gpu", jnp.float16, "cudnn"), (
 @pytest.mark.parametrize("backend, dtype, want", AUTO_KERNELS, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_auto_attention_picks_the_kernel_for_backend_and_dtype(monkeypatch, backend, dtype, want):
     """The dispatch itself, on any machine: the backend is stubbed and the kernels record
-    that they ran, with 'xla' and 'cudnn' asked for explicitly as the references."""
-    from arlopti_jax.models import decoder
+    that they ran, with 'xla' and 'cudnn' asked for explicitly as the references. Soft-capped
+    scores (neither of dot_product_attention's kernels caps them) take the causal blocks everywhere."""
+    from arlopti_jax.models import attention
 
     q = jnp.zeros((1, 4, 2, 8), dtype)
     kv = jnp.zeros((1, 4, 1, 8), dtype)
     mask = jnp.tril(jnp.ones((4, 4), bool))[None, None]
     ran = []
-    monkeypatch.setattr(decoder.jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(decoder.jax.nn, "dot_product_attention",
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(attention.jax.nn, "dot_product_attention",
                         lambda q, *a, implementation=None, **k: ran.append(implementation or "xla") or q)
-    monkeypatch.setattr(decoder, "_causal_blocks", lambda q, *a: ran.append("causal blocks") or q)
+    monkeypatch.setattr(attention, "_causal_blocks", lambda q, *a: ran.append("causal blocks") or q)
     for impl in ("auto", "xla", "cudnn"):
-        decoder.attention(q, kv, kv, mask, 0.35, impl)
+        attention.attention(q, kv, kv, mask, 0.35, impl)
     explicit_xla = "xla" if backend == "gpu" else "causal blocks"
     assert ran == [want, explicit_xla, "cudnn"]
+    ran.clear()
+    for impl in ("auto", "xla"):
+        attention.attention(q, kv, kv, mask, 0.35, impl, softcap=2.0)
+    assert ran == ["causal blocks"] * 2
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
@@ -275,7 +280,7 @@ def test_causal_blocks_equal_plain_attention_forward_and_backward(shared):
     gradient (probabilities recomputed from the log-sum-exp): on packed rows, plain or with a
     shared prompt, its output equals a float64 numpy softmax and its gradients equal autodiff
     through a plain softmax over all T x T scores."""
-    from arlopti_jax.models.decoder import _causal_blocks
+    from arlopti_jax.models.attention import _causal_blocks
 
     q, k, v, mask, want = _attention_case(shared, jnp.float32)
     b, t, n, h = q.shape
@@ -300,7 +305,7 @@ def test_causal_blocks_in_bfloat16_stay_within_its_rounding():
     """In bfloat16 (probabilities and score gradients rounded to it, as the TPU runs them), the
     output and the gradients stay as close to float32 autodiff as autodiff through bfloat16
     softmax attention does (the rounding a bfloat16 model has anyway), within 1.5x."""
-    from arlopti_jax.models.decoder import _causal_blocks
+    from arlopti_jax.models.attention import _causal_blocks
 
     q, k, v, mask, _ = _attention_case(True, jnp.bfloat16)
     b, t, n, h = q.shape
