@@ -151,7 +151,9 @@ def write_hf_dict(cfg) -> dict[str, Any]:
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = dict(cfg.rope_scaling)
     if gemma:
-        out.update(rope_local_base_freq=cfg.rope_local_theta, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+        scalar = cfg.query_pre_attn_scalar  # transformers 5 checks that it is an int
+        out.update(rope_local_base_freq=cfg.rope_local_theta,
+                   query_pre_attn_scalar=int(scalar) if scalar is not None and float(scalar).is_integer() else scalar,
                    sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types or ()),
                    attn_logit_softcapping=cfg.attn_logit_softcapping,
                    final_logit_softcapping=cfg.final_logit_softcapping)

@@ -11,19 +11,23 @@ from safetensors.numpy import load_file, save_file
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import (CheckpointError, ModelConfig, load_pretrained, logits, save_pretrained,
                                 token_logprobs)
-from hf_fixtures import hf_logits, padded_batch, write_hf_model
+from hf_fixtures import SOFTCAPS, hf_logits, padded_batch, write_hf_model
 
-VARIANTS = [("qwen2", False), ("qwen2", True), ("llama", False)]
+# (family, tied embeddings, more config fields); Gemma 3 with both soft-caps, its sliding window of 5
+# shorter than the batches' rows (hf_fixtures.GEMMA3)
+VARIANTS = [("qwen2", False, {}), ("qwen2", True, {}), ("llama", False, {}), ("qwen3", True, {}),
+            ("gemma3", False, SOFTCAPS)]
 
 
 def _single_mesh():
     return shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-{'tied' if v[1] else 'untied'}")
+@pytest.fixture(scope="module", params=VARIANTS,
+                ids=lambda v: f"{v[0]}-{'tied' if v[1] else 'untied'}{'-softcaps' if v[2] else ''}")
 def hf_folder(request, tmp_path_factory):
-    kind, tied = request.param
-    return write_hf_model(tmp_path_factory.mktemp(f"{kind}{tied}") / "ckpt", kind=kind, tied=tied)
+    kind, tied, extra = request.param
+    return write_hf_model(tmp_path_factory.mktemp(f"{kind}{tied}") / "ckpt", kind=kind, tied=tied, **extra)
 
 
 def test_logits_match_transformers_with_padding(hf_folder):
