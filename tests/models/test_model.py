@@ -253,10 +253,11 @@ def test_cudnn_attention_matches_xla_on_gpu(tmp_path):
             assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, impl
 
 
-def _attention_case(shared: bool, dtype):
+def _attention_case(shared: bool, dtype, cap: float | None = None):
     """Packed rows of 800 slots (3 uneven query blocks): row 0 holds two sequences then padding,
     or with ``shared`` a prompt and two responses that see it and not each other; row 1 is one
-    sequence. Returns (q, k, v as float32 numpy, mask, float64 numpy softmax attention)."""
+    sequence. Returns (q, k, v as float32 numpy, mask, float64 numpy softmax attention, its scaled
+    scores s soft-capped to cap tanh(s / cap) with a ``cap``)."""
     from arlopti_jax.models.decoder import segment_mask
 
     rng = np.random.default_rng(0)
@@ -272,35 +273,38 @@ def _attention_case(shared: bool, dtype):
     mask = segment_mask(jnp.asarray(seg), jnp.asarray(prefix) if shared else None)
     m = np.asarray(mask)[:, 0]
     s = np.einsum("btnh,bsnh->bnts", q.astype(np.float64), np.repeat(k, n // kv, axis=2).astype(np.float64)) * 0.3
+    s = cap * np.tanh(s / cap) if cap else s
     s = np.where(m[:, None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), np.repeat(v, n // kv, axis=2))
     return q, k, v, mask, want
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["segments", "shared-prefix"])
-def test_causal_blocks_equal_plain_attention_forward_and_backward(shared):
+@pytest.mark.parametrize("shared, cap", [(False, None), (True, None), (True, 1.5)],
+                         ids=["segments", "shared-prefix", "shared-prefix-softcap"])
+def test_causal_blocks_equal_plain_attention_forward_and_backward(shared, cap):
     """The CPU and TPU attention skips the key blocks above the diagonal and writes its own
     gradient (probabilities recomputed from the log-sum-exp): on packed rows, plain or with a
-    shared prompt, its output equals a float64 numpy softmax and its gradients equal autodiff
-    through a plain softmax over all T x T scores."""
+    shared prompt, with scores soft-capped or not, its output equals a float64 numpy softmax and its
+    gradients equal autodiff through a plain softmax over all T x T scores."""
     from arlopti_jax.models.attention import _causal_blocks
 
-    q, k, v, mask, want = _attention_case(shared, jnp.float32)
+    q, k, v, mask, want = _attention_case(shared, jnp.float32, cap)
     b, t, n, h = q.shape
     kv = k.shape[2]
 
     def plain(q, k, v):
         qh = q.transpose(0, 2, 1, 3).reshape(b, kv, n // kv, t, h)
         s = jnp.einsum("bkgth,bskh->bkgts", qh, k) * 0.3
+        s = cap * jnp.tanh(s / cap) if cap else s
         p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -1e30), axis=-1)
         return jnp.einsum("bkgts,bskh->bkgth", p, v).reshape(b, n, t, h).transpose(0, 2, 1, 3)
 
-    got = jax.jit(lambda *a: _causal_blocks(*a, mask, 0.3))(*(jnp.asarray(x) for x in (q, k, v)))
+    got = jax.jit(lambda *a: _causal_blocks(*a, mask, 0.3, cap))(*(jnp.asarray(x) for x in (q, k, v)))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
     w = np.random.default_rng(1).normal(0, 1, (b, t, n, h)).astype(np.float32)
     grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(*(jnp.asarray(x) for x in (q, k, v)))
-             for f in (lambda *a: _causal_blocks(*a, mask, 0.3), plain)]
+             for f in (lambda *a: _causal_blocks(*a, mask, 0.3, cap), plain)]
     for g_blocked, g_plain in zip(*grads):
         np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_plain), atol=2e-5)
 
