@@ -24,8 +24,8 @@ SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)  # low:
 def write_hf_model(folder: Path, kind: str = "qwen2", tied: bool = False, seed: int = 0,
                    layers: int = 2, dtype: str = "float32", **extra) -> Path:
     """kind: 'qwen2', 'llama' (with Llama 3 rope scaling), 'qwen3' (head_dim 24, not hidden / heads)
-    or 'gemma3' (``GEMMA3``'s four layers whatever ``layers`` says); ``extra``: more config fields
-    (``SOFTCAPS``)."""
+    or 'gemma3' (``GEMMA3``'s four layers whatever ``layers`` says); ``extra``: config fields that
+    replace these (``SOFTCAPS``, a vocabulary size)."""
     import torch
     import transformers
 
@@ -33,6 +33,9 @@ def write_hf_model(folder: Path, kind: str = "qwen2", tied: bool = False, seed: 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=tied, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    if kind == "gemma3":
+        common.update(GEMMA3, num_hidden_layers=len(GEMMA3["layer_types"]))
+    common.update(extra)
     if kind == "qwen2":
         config = transformers.Qwen2Config(rope_theta=50000.0, **common)
         model = transformers.Qwen2ForCausalLM(config)
@@ -43,11 +46,10 @@ def write_hf_model(folder: Path, kind: str = "qwen2", tied: bool = False, seed: 
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **common)
         model = transformers.LlamaForCausalLM(config)
     elif kind == "qwen3":
-        config = transformers.Qwen3Config(rope_theta=50000.0, head_dim=24, **common, **extra)
+        config = transformers.Qwen3Config(**{"rope_theta": 50000.0, "head_dim": 24, **common})
         model = transformers.Qwen3ForCausalLM(config)
     elif kind == "gemma3":
-        config = transformers.Gemma3TextConfig(**{**common, **GEMMA3, "num_hidden_layers": len(GEMMA3["layer_types"]),
-                                                  **extra})
+        config = transformers.Gemma3TextConfig(**common)
         model = transformers.Gemma3ForCausalLM(config)
     else:
         raise ValueError(kind)
@@ -90,6 +92,27 @@ def hf_model(folder: Path):
     gemma = "gemma3" in json.loads((Path(folder) / "config.json").read_text())["model_type"]
     kw = {"attn_implementation": "eager"} if gemma else {}
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+
+
+def hub_cache(home: Path, repo: str, folder: Path, commit: str, branch: str = "main") -> Path:
+    """``folder``'s files as huggingface_hub's cache keeps a downloaded snapshot of ``repo`` under
+    ``home`` (an ``HF_HOME``): each file a blob named by its hash, the snapshot's files links to the
+    blobs, refs/BRANCH the commit. Returns the snapshot folder."""
+    import hashlib
+    import os
+
+    root = home / "hub" / ("models--" + repo.replace("/", "--"))
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = root / "snapshots" / commit / f.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / branch).write_text(commit)
+    return root / "snapshots" / commit
 
 
 def hf_logits(folder: Path, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
