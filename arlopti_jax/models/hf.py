@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import variants
 from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models.hf_config import TEXT_MODELS
 from arlopti_jax.models.policy import abstract_params, param_shardings
 
 log = logging.getLogger(__name__)
@@ -90,26 +91,34 @@ def _hf_names(cfg: ModelConfig, name: str) -> list[str]:
     return [name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in name else [name]
 
 
-def _tensor_index(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it."""
+def _tensor_index(folder: Path) -> dict[str, tuple[Path, str]]:
+    """HF tensor name -> (the safetensors file that holds it, its name there). An image-text model's
+    folder (``hf_config.TEXT_MODELS``) gives its text model's tensors alone, their names without the
+    text model's prefix."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
             raise CheckpointError(f"{index}: lists shard files that do not exist: {missing}")
-        return {name: folder / f for name, f in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
-    out = {}
-    for f in files:
-        with safe_open(f, framework="numpy") as st:
-            out.update({name: f for name in st.keys()})
-    return out
+        stored = {name: folder / f for name, f in weight_map.items()}
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
+        stored = {}
+        for f in files:
+            with safe_open(f, framework="numpy") as st:
+                stored.update({name: f for name in st.keys()})
+    prefix = ""
+    if (folder / "config.json").is_file():
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or [""]
+        prefix = TEXT_MODELS.get(archs[0], ("", ""))[1]
+    return {name[len(prefix):]: (f, name) for name, f in stored.items() if name.startswith(prefix)}
 
 
-def _file_shape(path: Path, name: str) -> tuple[int, ...]:
+def _file_shape(where: tuple[Path, str]) -> tuple[int, ...]:
+    path, name = where
     with safe_open(path, framework="numpy") as st:
         return tuple(st.get_slice(name).get_shape())
 
@@ -138,8 +147,9 @@ def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RU
 
     @functools.lru_cache(maxsize=4)
     def read(hf_name: str) -> np.ndarray:
-        with safe_open(where[hf_name], framework="numpy") as st:
-            return st.get_tensor(hf_name)
+        path, stored = where[hf_name]
+        with safe_open(path, framework="numpy") as st:
+            return st.get_tensor(stored)
 
     def build(path, name, to_ours, from_ours):
         leaf = functools.reduce(lambda t, key: t[key], path, expected)
@@ -147,7 +157,7 @@ def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RU
         per_layer = leaf.shape[1:] if stacked else leaf.shape
         want_hf = jax.eval_shape(from_ours, jax.ShapeDtypeStruct(per_layer, np.float32)).shape
         for hf in _hf_names(cfg, name):
-            got = _file_shape(where[hf], hf)
+            got = _file_shape(where[hf])
             if got != tuple(want_hf):
                 raise CheckpointError(f"{folder}: tensor {hf} has shape {list(got)}, expected {list(want_hf)} "
                                       f"from config.json")

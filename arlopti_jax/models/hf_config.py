@@ -5,6 +5,10 @@ and the older one the Hub's folders still hold (``rope_theta``, ``rope_scaling``
 ``rope_local_base_freq`` and ``sliding_window_pattern``), with transformers' defaults for keys a
 file leaves out. A value this project does not implement (another activation, a rope type,
 biases it has no place for, bidirectional attention) is a ValueError naming the key.
+Gemma 3 from 4B up is published as an image-text model (``Gemma3ForConditionalGeneration``): its
+``text_config`` is read as the text model's (``TEXT_MODELS``), whose tensors sit under
+``language_model.`` in its files (``hf.load_params``); the vision tower is not read, and the model
+this project trains and exports is the text model, a ``Gemma3ForCausalLM``.
 Written: the older layout plus ``layer_types``, which transformers 4.5x and 5 both read.
 """
 
@@ -17,8 +21,15 @@ from typing import Any
 from arlopti_jax.models.config import SUPPORTED_ARCHITECTURES
 
 MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# an image-text architecture -> (its text model's architecture, the prefix of the text model's tensors)
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.")}
 GEMMA3_DEFAULTS = dict(rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_pre_attn_scalar=256,
                        sliding_window=4096, sliding_window_pattern=6, max_position_embeddings=131_072)
+# transformers' Gemma3TextConfig defaults for the keys a file may leave out (the Hub's image-text
+# configs list only what differs from them)
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, bos_token_id=2, eos_token_id=1,
+                            tie_word_embeddings=True)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -66,16 +77,29 @@ def _gemma3(hf: dict, layers: int) -> dict:
                 final_logit_softcapping=hf.get("final_logit_softcapping"))
 
 
+def text_model(hf: dict[str, Any]) -> dict[str, Any]:
+    """An image-text config.json's text model as its own config.json dict (``TEXT_MODELS``); any other
+    config as it is."""
+    archs = hf.get("architectures") or []
+    if not archs or archs[0] not in TEXT_MODELS:
+        return hf
+    text = dict(hf.get("text_config") or {})
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # kept at the top level by some files
+        if key not in text and key in hf:
+            text[key] = hf[key]
+    return {**text, "architectures": [TEXT_MODELS[archs[0]][0]]}
+
+
 def read_hf_dict(hf: dict[str, Any]) -> dict[str, Any]:
-    """``ModelConfig``'s fields from a config.json dict."""
+    """``ModelConfig``'s fields from a config.json dict (an image-text model's: its text model's)."""
+    hf = text_model(hf)
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     arch = archs[0]
-    if arch == "Gemma3ForConditionalGeneration":
-        raise ValueError(f"config.json architectures={archs}: Gemma 3's image-text model is unsupported; its text "
-                         "model (Gemma3ForCausalLM, e.g. gemma-3-1b) is supported")
+    if arch == "Gemma3ForCausalLM":
+        hf = {**GEMMA3_TEXT_DEFAULTS, **hf}
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"config.json architectures={archs}: unsupported; "
-                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)} (and the text model of {sorted(TEXT_MODELS)})")
     family = SUPPORTED_ARCHITECTURES[arch]
     gemma = family == "gemma3"
     act_key = "hidden_activation" if gemma else "hidden_act"
@@ -99,9 +123,9 @@ def read_hf_dict(hf: dict[str, Any]) -> dict[str, Any]:
         num_layers=layers,
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or (256 if gemma else hf["hidden_size"] // num_heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         max_position_embeddings=hf.get("max_position_embeddings",
                                        GEMMA3_DEFAULTS["max_position_embeddings"] if gemma else 32768),

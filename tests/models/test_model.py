@@ -164,6 +164,90 @@ def test_unsupported_architecture_and_values(tmp_path):
         load_pretrained(tmp_path / "nowhere")
 
 
+# a Gemma 3 config.json in the layout of the Hub's older files (transformers 4.50: rope_theta,
+# rope_local_base_freq, rope_scaling and sliding_window_pattern; no layer_types, no rope_parameters)
+GEMMA3_OLD_LAYOUT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+                     "intermediate_size": 96, "num_hidden_layers": 8, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 97, "query_pre_attn_scalar": 24,
+                     "rope_theta": 500000.0,
+                     "rope_local_base_freq": 5000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                     "sliding_window": 6, "sliding_window_pattern": 3, "hidden_activation": "gelu_pytorch_tanh",
+                     "final_logit_softcapping": None, "attn_logit_softcapping": None, "eos_token_id": [1, 106]}
+
+
+def test_config_json_of_both_gemma3_layouts_reads_as_transformers_reads_it():
+    """The older layout's keys give the layer kinds and RoPE that transformers 5 makes of them (its
+    Gemma3TextConfig reads the same dict), and so does the layout transformers 5 writes."""
+    import transformers
+
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in GEMMA3_OLD_LAYOUT.items() if k != "architectures"})
+    new_layout = {**theirs.to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    for hf in (GEMMA3_OLD_LAYOUT, new_layout):
+        cfg = ModelConfig.from_hf_dict(hf)
+        assert cfg.layer_types == tuple(theirs.layer_types) and cfg.sliding_window == theirs.sliding_window
+        assert cfg.rope_theta == theirs.rope_parameters["full_attention"]["rope_theta"] == 500000.0
+        assert cfg.rope_local_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"] == 5000.0
+        assert dict(cfg.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
+        assert (cfg.query_pre_attn_scalar, cfg.qk_norm, cfg.tie_word_embeddings, cfg.eos_token_id) == (24, True, True,
+                                                                                                      (1, 106))
+    assert cfg.layer_types[:3] == ("sliding_attention", "sliding_attention", "full_attention")
+
+
+def test_an_image_text_gemma3_folder_gives_its_text_model(tmp_path):
+    """Gemma 3 from 4B up ships as Gemma3ForConditionalGeneration: its text model's tensors
+    (``language_model.``) load, the vision tower's are left, the logits of a text-only batch are
+    transformers' image-text model's, and the export is a text model transformers loads with them."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, sliding_window=5, sliding_window_pattern=2,
+                rope_scaling={"rope_type": "linear", "factor": 8.0})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "mm")
+    cfg, params = load_pretrained(tmp_path / "mm", mesh=_single_mesh())
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.layer_types == (
+        "sliding_attention", "full_attention", "sliding_attention")
+    ids, mask = padded_batch(seed=6, length=14)
+    with torch.no_grad():
+        want = model.eval()(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask),
+                            position_ids=torch.tensor(np.maximum(mask.cumsum(-1) - 1, 0))).logits.numpy()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits(cfg, params, jnp.asarray(ids), jnp.asarray(mask)))[valid],
+                               want[valid], atol=1e-4, rtol=0)
+    out = save_pretrained(cfg, params, tmp_path / "text")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    np.testing.assert_allclose(hf_logits(out, ids, mask)[valid], want[valid], atol=1e-4, rtol=0)
+
+
+def test_settings_that_cannot_serve_an_architecture_stop_it():
+    """Soft-capped attention scores: not in cuDNN's kernel nor the Pallas decode kernel (an 'auto'
+    setting falls back to XLA's on a GPU, with a start-up line each); Gemma 3's sublayer norms and
+    GELU: not in the fused decode products."""
+    capped = ModelConfig.from_hf_dict({**GEMMA3_OLD_LAYOUT, "attn_logit_softcapping": 50.0}, dtype="bfloat16")
+    for setting, message in ((dict(attention="cudnn"), "cuDNN's fused attention does not cap"),
+                             (dict(decode_attention="pallas"), "the Pallas decode kernel does not cap")):
+        with pytest.raises(ValueError, match=message):
+            capped.replace(**setting)
+    with pytest.raises(ValueError, match="model.decode_matmul='pallas'.*Gemma 3"):
+        ModelConfig.from_hf_dict(GEMMA3_OLD_LAYOUT, decode_matmul="pallas")
+    lines = capped.fallbacks("gpu")
+    assert len(lines) == 2 and lines[0].startswith("model.decode_attention=auto") and "cuDNN" in lines[1]
+    assert capped.fallbacks("tpu") == [] and ModelConfig.from_hf_dict(GEMMA3_OLD_LAYOUT).fallbacks("gpu") == []
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_dict({**GEMMA3_OLD_LAYOUT, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="attention_bias=true: not supported for Qwen3ForCausalLM"):
+        ModelConfig.from_hf_dict({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True})
+
+
 def test_remat_gives_same_logits_and_gradients(tmp_path):
     folder = write_hf_model(tmp_path / "r")
     cfg, params = load_pretrained(folder, mesh=_single_mesh())
