@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.models.config import cudnn_attention_takes
 from arlopti_jax.models.variants import softcap as capped, softcap_grad
 
 Array = jax.Array
@@ -21,7 +22,8 @@ def attention(q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str
     """Causal grouped-query attention over a call's own tokens: q [B, T, N, H], k and v
     [B, T, K, H], boolean mask [B, 1, T, T] that lets no query see a later slot and leaves no
     row empty (``attention_mask`` and ``segment_mask`` guarantee both).
-    ``impl`` "cudnn" (what "auto" picks on a GPU at 16-bit): ``jax.nn.dot_product_attention``'s
+    ``impl`` "cudnn" (what "auto" picks on a GPU at 16-bit, for heads of at most 128: not Gemma 3's
+    256, which cuDNN refuses): ``jax.nn.dot_product_attention``'s
     cuDNN fused kernel, which never holds the [T, S] scores (on an H100, 1.5B's heads over 4 packed
     rows of 4,096 tokens: forward + backward 5.4 ms against 23 ms, docs/measurements/journal.md). "xla": its
     XLA lowering on a GPU; on CPUs and TPUs ``_causal_blocks`` computes the same math without the
@@ -33,8 +35,9 @@ def attention(q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str
     backend = shd.platform()
     if softcap:
         return _causal_blocks(q, k, v, mask, scale, softcap)
-    if impl == "auto":
-        impl = "cudnn" if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    if impl == "auto":  # cuDNN's kernel where it takes the heads (``config.cudnn_attention_takes``)
+        cudnn = backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_attention_takes(q.shape[-1])
+        impl = "cudnn" if cudnn else "xla"
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
     if backend == "gpu":

@@ -21,6 +21,12 @@ DECODE_MATMUL_IMPLS = ("xla", "pallas")  # the decode steps' weight products on 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 
 
+def cudnn_attention_takes(head_dim: int) -> bool:
+    """Whether JAX's cuDNN fused attention takes heads of ``head_dim`` (at most 128, a multiple of 8:
+    Gemma 3's 256 it refuses)."""
+    return head_dim <= 128 and head_dim % 8 == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Qwen2, Llama, Qwen3 (dense) or Gemma 3 (text) decoder.
@@ -118,6 +124,9 @@ class ModelConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value}: must be > 0 (or null: off)")
         arch = f"{self.architecture} with attn_logit_softcapping={self.attn_logit_softcapping}"
+        if self.attention == "cudnn" and not cudnn_attention_takes(self.head_dim):
+            raise ValueError(f"model.attention='cudnn': cuDNN's fused attention takes heads of at most 128 (a "
+                             f"multiple of 8), and {self.architecture}'s are {self.head_dim}; use 'auto' or 'xla'")
         if self.attn_logit_softcapping and self.attention == "cudnn":
             raise ValueError(f"model.attention='cudnn': cuDNN's fused attention does not cap attention scores "
                              f"({arch}); use 'auto' or 'xla'")
@@ -131,13 +140,20 @@ class ModelConfig:
     def fallbacks(self, platform: str) -> list[str]:
         """What an 'auto' setting runs instead of its usual kernel for this architecture on ``platform``:
         one start-up line each (``rl/run_setup.resolve_paths`` logs them)."""
-        if not (self.attn_logit_softcapping and platform == "gpu"):
+        if platform != "gpu":
             return []
-        lines = [f"model.decode_attention=auto: XLA's decode attention, not the Pallas kernel, which does not cap "
-                 f"attention scores ({self.architecture}: attn_logit_softcapping={self.attn_logit_softcapping})"]
+        lines = []
+        if self.attn_logit_softcapping and self.decode_attention == "auto":
+            lines.append(f"model.decode_attention=auto: XLA's decode attention, not the Pallas kernel, which does "
+                         f"not cap attention scores ({self.architecture}: attn_logit_softcapping="
+                         f"{self.attn_logit_softcapping})")
         if self.attention == "auto" and self.dtype in ("bfloat16", "float16"):
-            lines.append("model.attention=auto: the causal-block attention, not cuDNN's fused kernel, which does "
-                         "not cap attention scores")
+            if self.attn_logit_softcapping:
+                lines.append("model.attention=auto: the causal-block attention, not cuDNN's fused kernel, which does "
+                             "not cap attention scores")
+            elif not cudnn_attention_takes(self.head_dim):
+                lines.append(f"model.attention=auto: XLA's attention, not cuDNN's fused kernel, which takes heads of "
+                             f"at most 128 ({self.architecture}: head_dim {self.head_dim})")
         return lines
 
     @property

@@ -242,6 +242,10 @@ def test_settings_that_cannot_serve_an_architecture_stop_it():
     lines = capped.fallbacks("gpu")
     assert len(lines) == 2 and lines[0].startswith("model.decode_attention=auto") and "cuDNN" in lines[1]
     assert capped.fallbacks("tpu") == [] and ModelConfig.from_hf_dict(GEMMA3_OLD_LAYOUT).fallbacks("gpu") == []
+    wide = ModelConfig.from_hf_dict({**GEMMA3_OLD_LAYOUT, "head_dim": 256}, dtype="bfloat16")  # Gemma 3's heads
+    with pytest.raises(ValueError, match="at most 128.*are 256"):
+        wide.replace(attention="cudnn")
+    assert len(wide.fallbacks("gpu")) == 1 and "heads of at most 128" in wide.fallbacks("gpu")[0]
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         ModelConfig.from_hf_dict({**GEMMA3_OLD_LAYOUT, "use_bidirectional_attention": True})
     with pytest.raises(ValueError, match="attention_bias=true: not supported for Qwen3ForCausalLM"):
@@ -316,6 +320,9 @@ def test_auto_attention_picks_the_kernel_for_backend_and_dtype(monkeypatch, back
     for impl in ("auto", "xla"):
         attention.attention(q, kv, kv, mask, 0.35, impl, softcap=2.0)
     assert ran == ["causal blocks"] * 2
+    ran.clear()  # heads of 256 (Gemma 3's), which cuDNN's kernel refuses: 'auto' takes XLA's
+    attention.attention(jnp.zeros((1, 4, 2, 256), dtype), *(jnp.zeros((1, 4, 1, 256), dtype),) * 2, mask, 0.35, "auto")
+    assert ran == [explicit_xla]
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a GPU")
