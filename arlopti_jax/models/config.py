@@ -8,9 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-# architecture -> family: what the decoder builds (``variants.py`` holds where the families differ)
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-                           "Gemma3ForCausalLM": "gemma3"}
+from arlopti_jax.models.hf_config import SUPPORTED_ARCHITECTURES, read_folder, read_hf_dict, write_hf_dict
+
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names, per layer
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -208,21 +207,14 @@ class ModelConfig:
         weights = d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * f
         return 4 * self.num_heads * h / (2 * weights)
 
-
     # ---- Hugging Face config.json (hf_config.py) ----
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
-        from arlopti_jax.models.hf_config import read_hf_dict
-
         return cls(**{**read_hf_dict(hf), **overrides})
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, **overrides) -> "ModelConfig":
-        from arlopti_jax.models.hf_config import read_folder
-
         return cls(**{**read_folder(folder), **overrides})
 
     def to_hf_dict(self) -> dict[str, Any]:
-        from arlopti_jax.models.hf_config import write_hf_dict
-
         return write_hf_dict(self)

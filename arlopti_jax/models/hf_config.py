@@ -18,8 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from arlopti_jax.models.config import SUPPORTED_ARCHITECTURES
-
+# architecture -> family: what the decoder builds (``variants.py`` holds where the families differ)
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                           "Gemma3ForCausalLM": "gemma3"}
 MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # an image-text architecture -> (its text model's architecture, the prefix of the text model's tensors)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.")}
@@ -149,7 +150,8 @@ def read_folder(folder: str | Path) -> dict[str, Any]:
 
 
 def write_hf_dict(cfg) -> dict[str, Any]:
-    """The config.json of a ``ModelConfig`` (what ``hf.save_pretrained`` writes)."""
+    """The config.json of a ``ModelConfig`` (what ``hf.save_pretrained`` writes; this module reads
+    no ``ModelConfig`` itself, so that ``config.py`` can import it)."""
     family = cfg.family
     gemma = family == "gemma3"
     out = {

@@ -92,6 +92,25 @@ def test_one_rl_step_compiles_for_an_h100():
         "command_buffers"] > 0, decode["gpu"]
 
 
+@pytest.mark.slow  # every program of a step, twice: docs/reference/memory.md has Gemma-3-4B's compiled figures
+@pytest.mark.parametrize("target", ["v5e-8", "h100"])
+def test_a_gemma3_step_compiles_for_a_tpu_slice_and_an_h100(target, tmp_path):
+    """Gemma 3's pieces (sliding and global layers picked inside the layer loop, their masks and RoPE;
+    q/k norms; both soft-caps; on the H100 XLA's decode attention, which caps scores) through every
+    program of a step, by each target's own compiler, from a tiny folder's config.json."""
+    from hf_fixtures import SOFTCAPS, write_hf_model
+
+    from arlopti_jax.aot.check import check
+
+    folder = write_hf_model(tmp_path / "gemma3", kind="gemma3", **SOFTCAPS)
+    record = check(small_config(**{"model.path": str(folder), "rollout.length_aware": True, "rollout.min_rows": 4,
+                                   "rollout.phase_tokens": 8}), targets.get(target))
+    names = [p["name"] for p in record["programs"]]
+    assert record["fits"] and record["model"] == f"{folder}/config.json"
+    assert any(n.startswith("decode") for n in names) and any(n.startswith("grow") for n in names)
+    assert [n.split()[0] for n in names[-3:]] == ["zeros", "accumulate", "apply"]
+
+
 def test_compiler_argument_bytes_equal_a_count_of_the_sharded_state():
     """The optimizer step's arguments on 8 H100s (dense layouts: a TPU pads small dimensions to its
     (8, 128) tiles) are the parameters, the AdamW moments and the float32 gradient accumulator:

@@ -100,7 +100,7 @@ def test_bad_lora_settings_name_the_field(bad, field):
         dataclasses.replace(BASE, **bad)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow), "gemma3"])
 def test_the_exported_peft_adapter_and_merged_folder_give_our_logits_in_transformers(tmp_path, kind):
     """Our adapters written as a PEFT folder and loaded by ``peft`` onto transformers' model of the
     base folder, and the merged weights written as a plain Hugging Face folder: both give the
