@@ -49,3 +49,16 @@ compile kk3b_lora v5e-8 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.
   --config.train.mini_batch=128 --config.train.micro_batch=8 --config.model.param_dtype=bfloat16 "${LORA[@]}"
 compile kk3b_full v5e-8 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.batch_prompts=32 \
   --config.train.mini_batch=128 --config.train.micro_batch=8
+# Qwen3-8B and Gemma-3-4B's text model (issue 67), K&K lengths: LoRA on ONE H100 (bfloat16 base, 4 prompts x 8
+# responses), and full fine-tuning on a v5p-8 (fsdp=4, float32 master weights; 16 prompts x 8 for Qwen3-8B, whose
+# KV cache is 144 KiB a token, 32 x 8 for Gemma-3-4B, 136 KiB: docs/reference/memory.md)
+for model in qwen3-8b gemma3-4b; do
+  name="kk${model//-/_}"
+  compile "${name}_lora" h100 "--config=configs/kk.py:$model,grpo_ar_lopti" --config.mesh.fsdp=1 \
+    --config.train.batch_prompts=4 --config.train.mini_batch=16 --config.train.micro_batch=1 \
+    --config.model.param_dtype=bfloat16 "${LORA[@]}"
+done
+compile kkqwen3_8b v5p-8 "--config=configs/kk.py:qwen3-8b,grpo_ar_lopti" --config.mesh.fsdp=4 --config.train.micro_batch=4 \
+  --config.train.batch_prompts=16 --config.train.mini_batch=64
+compile kkgemma3_4b v5p-8 "--config=configs/kk.py:gemma3-4b,grpo_ar_lopti" --config.mesh.fsdp=4 \
+  --config.train.micro_batch=4 --config.train.batch_prompts=32 --config.train.mini_batch=128

@@ -6,7 +6,8 @@
         --config.run_dir=runs/kk3b_ar_lopti
 
 The argument is MODEL,VARIANT:
-  MODEL    3b  (Qwen2.5-3B-Instruct) | 7b  (Qwen2.5-7B-Instruct-1M)
+  MODEL    3b  (Qwen2.5-3B-Instruct) | 7b  (Qwen2.5-7B-Instruct-1M) | qwen3-8b (Qwen3-8B)
+           gemma3-4b (gemma-3-4b-it's text model)
   VARIANT  grpo | grpo_ar | grpo_lopti | grpo_ar_lopti                    (GRPO, the paper's table)
            rpp  | rpp_ar  | rpp_lopti  | rpp_ar_lopti                     (REINFORCE++ baseline)
 Data defaults follow the reference layout (data/kk/{3..7}ppl/{train,test}.parquet); name train
@@ -16,7 +17,8 @@ also pulled the test files into training.
 
 from arlopti_jax.config import base_config
 
-MODELS = {"3b": "models/Qwen2.5-3B-Instruct", "7b": "models/Qwen2.5-7B-Instruct-1M"}
+MODELS = {"3b": "models/Qwen2.5-3B-Instruct", "7b": "models/Qwen2.5-7B-Instruct-1M", "qwen3-8b": "models/Qwen3-8B",
+          "gemma3-4b": "models/gemma-3-4b-it"}
 # (weighting, alpha, lopti eta): alpha 0.2 for AR alone, 0.3 with Lopti; eta 0.4 alone, 0.5 with AR.
 VARIANTS = {"": ("none", 0.0, 0.0), "_ar": ("ar", 0.2, 0.0), "_lopti": ("none", 0.0, 0.4),
             "_ar_lopti": ("ar", 0.3, 0.5)}

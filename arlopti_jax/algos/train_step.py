@@ -165,7 +165,8 @@ class PackedModel:
         hidden = packed_hidden_states(self.cfg, params, mb["input_ids"], mb["positions"], mb["segment_ids"],
                                       mb.get("prefix_ids"))
         return target_logprobs(unembed_matrix(self.cfg, params), hidden, mb["target_pos"], mb["target_ids"],
-                               mb["target_mask"], self.temperature, self.chunk_size, entropy_grad=entropy_grad)
+                               mb["target_mask"], self.temperature, self.chunk_size, entropy_grad=entropy_grad,
+                               softcap=self.cfg.final_logit_softcapping)
 
 
 class PackedPrograms:

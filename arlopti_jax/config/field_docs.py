@@ -19,14 +19,16 @@ FIELD_DOCS = {
     "model.param_dtype": "weight dtype, and so the AdamW state's",
     "model.remat": "rematerialise each layer in the backward pass",
     "model.attention": "training and prefill attention: 'auto' (cuDNN's fused kernel on a GPU with a 16-bit "
-                       "model.dtype, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only)",
+                       "model.dtype and heads of at most 128, else XLA), 'xla', or 'cudnn' (GPU, 16-bit only; not "
+                       "Gemma 3's heads of 256 nor soft-capped attention scores)",
     "model.decode_attention": "the sampler's attention in each decode step: 'auto' (on a GPU the Pallas kernel of "
                               "models/decode_attention.py, which writes the KV cache and reads only each row's "
-                              "live slots; elsewhere XLA's), 'xla', or 'pallas' (GPU only)",
+                              "live slots; elsewhere, and for soft-capped attention scores, XLA's), 'xla', or "
+                              "'pallas' (GPU only)",
     "model.decode_matmul": "the weight products of each decode step that runs the Pallas attention: 'xla', or "
                            "'pallas' (GPU only: models/decode_matmul.py's kernels, each with the RMS norm before it "
                            "and the residual add or silu x up after it, 6 kernels a layer; on an H200 the 1.5B rollout "
-                           "ran 0.71x as fast as with XLA's, 2026-11-28)",
+                           "ran 0.71x as fast as with XLA's, 2026-11-28; not Gemma 3)",
     "model.unroll_layers": "layers as straight-line code instead of a scanned loop in the training passes: faster "
                            "small models on CPU, longer compiles (the sampler always loops: rollout/programs.py); "
                            "on a GPU or TPU scan against unroll is not yet measured (the embedded default unrolls its "

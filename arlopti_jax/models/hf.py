@@ -21,7 +21,9 @@ from safetensors.numpy import save_file
 
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import hub
+from arlopti_jax.models import variants
 from arlopti_jax.models.config import ModelConfig
+from arlopti_jax.models.hf_config import TEXT_MODELS
 from arlopti_jax.models.policy import abstract_params, param_shardings
 
 log = logging.getLogger(__name__)
@@ -53,11 +55,15 @@ def _name_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, callable, ca
         return (lambda b: b.reshape(heads, h), lambda p: p.reshape(heads * h))
 
     pre = "model.layers.{i}."
+    # Gemma's post_attention_layernorm normalises the attention's output; its pre_feedforward_layernorm
+    # is the norm before the MLP, our post_attn_norm in every family
+    sandwich = variants.sandwich_norms(cfg)
     table = {
         ("embedding",): ("model.embed_tokens.weight", *ident),
         ("final_norm", "scale"): ("model.norm.weight", *ident),
         ("layers", "input_norm", "scale"): (pre + "input_layernorm.weight", *ident),
-        ("layers", "post_attn_norm", "scale"): (pre + "post_attention_layernorm.weight", *ident),
+        ("layers", "post_attn_norm", "scale"): (pre + ("pre_feedforward_layernorm.weight" if sandwich else
+                                                       "post_attention_layernorm.weight"), *ident),
         ("layers", "attn", "q_kernel"): (pre + "self_attn.q_proj.weight", *in_proj(n)),
         ("layers", "attn", "k_kernel"): (pre + "self_attn.k_proj.weight", *in_proj(k)),
         ("layers", "attn", "v_kernel"): (pre + "self_attn.v_proj.weight", *in_proj(k)),
@@ -71,6 +77,12 @@ def _name_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, callable, ca
         table[("layers", "attn", "q_bias")] = (pre + "self_attn.q_proj.bias", *bias(n))
         table[("layers", "attn", "k_bias")] = (pre + "self_attn.k_proj.bias", *bias(k))
         table[("layers", "attn", "v_bias")] = (pre + "self_attn.v_proj.bias", *bias(k))
+    if sandwich:
+        table[("layers", "attn_out_norm", "scale")] = (pre + "post_attention_layernorm.weight", *ident)
+        table[("layers", "mlp_out_norm", "scale")] = (pre + "post_feedforward_layernorm.weight", *ident)
+    if cfg.qk_norm:
+        table[("layers", "attn", "q_norm", "scale")] = (pre + "self_attn.q_norm.weight", *ident)
+        table[("layers", "attn", "k_norm", "scale")] = (pre + "self_attn.k_norm.weight", *ident)
     if not cfg.tie_word_embeddings:
         table[("lm_head",)] = ("lm_head.weight", *transpose)
     return table
@@ -80,26 +92,34 @@ def _hf_names(cfg: ModelConfig, name: str) -> list[str]:
     return [name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in name else [name]
 
 
-def _tensor_index(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it."""
+def _tensor_index(folder: Path) -> dict[str, tuple[Path, str]]:
+    """HF tensor name -> (the safetensors file that holds it, its name there). An image-text model's
+    folder (``hf_config.TEXT_MODELS``) gives its text model's tensors alone, their names without the
+    text model's prefix."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
             raise CheckpointError(f"{index}: lists shard files that do not exist: {missing}")
-        return {name: folder / f for name, f in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
-    out = {}
-    for f in files:
-        with safe_open(f, framework="numpy") as st:
-            out.update({name: f for name in st.keys()})
-    return out
+        stored = {name: folder / f for name, f in weight_map.items()}
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
+        stored = {}
+        for f in files:
+            with safe_open(f, framework="numpy") as st:
+                stored.update({name: f for name in st.keys()})
+    prefix = ""
+    if (folder / "config.json").is_file():
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or [""]
+        prefix = TEXT_MODELS.get(archs[0], ("", ""))[1]
+    return {name[len(prefix):]: (f, name) for name, f in stored.items() if name.startswith(prefix)}
 
 
-def _file_shape(path: Path, name: str) -> tuple[int, ...]:
+def _file_shape(where: tuple[Path, str]) -> tuple[int, ...]:
+    path, name = where
     with safe_open(path, framework="numpy") as st:
         return tuple(st.get_slice(name).get_shape())
 
@@ -128,8 +148,9 @@ def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RU
 
     @functools.lru_cache(maxsize=4)
     def read(hf_name: str) -> np.ndarray:
-        with safe_open(where[hf_name], framework="numpy") as st:
-            return st.get_tensor(hf_name)
+        path, stored = where[hf_name]
+        with safe_open(path, framework="numpy") as st:
+            return st.get_tensor(stored)
 
     def build(path, name, to_ours, from_ours):
         leaf = functools.reduce(lambda t, key: t[key], path, expected)
@@ -137,7 +158,7 @@ def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RU
         per_layer = leaf.shape[1:] if stacked else leaf.shape
         want_hf = jax.eval_shape(from_ours, jax.ShapeDtypeStruct(per_layer, np.float32)).shape
         for hf in _hf_names(cfg, name):
-            got = _file_shape(where[hf], hf)
+            got = _file_shape(where[hf])
             if got != tuple(want_hf):
                 raise CheckpointError(f"{folder}: tensor {hf} has shape {list(got)}, expected {list(want_hf)} "
                                       f"from config.json")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.decoder import Decoder, position_ids
+from arlopti_jax.models.variants import softcap as capped, softcap_grad
 
 Array = jax.Array
 
@@ -84,16 +85,26 @@ def unembed_matrix(cfg: ModelConfig, params) -> Array:
     return params["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
+def _project(h: Array, w: Array, softcap: float | None) -> Array:
+    """float32 logits of hidden states h [..., T, D] by the unembedding w [D, V], soft-capped by
+    ``softcap`` (``ModelConfig.final_logit_softcapping``; None: as they are)."""
+    return capped(jnp.einsum("...td,dv->...tv", h, w.astype(h.dtype), preferred_element_type=jnp.float32), softcap)
+
+
+def unembed(cfg: ModelConfig, params, hidden: Array) -> Array:
+    """float32 logits [B, T, V] of final-norm hidden states [B, T, D]."""
+    return _project(hidden, unembed_matrix(cfg, params), cfg.final_logit_softcapping)
+
+
 def logits(cfg: ModelConfig, params, input_ids: Array, attention_mask: Array) -> Array:
     """Full float32 logits [B, T, V]. For training use :func:`token_logprobs`, which never
     holds this tensor."""
-    h = hidden_states(cfg, params, input_ids, attention_mask)
-    return jnp.einsum("btd,dv->btv", h, unembed_matrix(cfg, params).astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+    return unembed(cfg, params, hidden_states(cfg, params, input_ids, attention_mask))
 
 
-def _chunk_logprobs(w: Array, temperature: float, h: Array, targets: Array, entropy_grad: bool = True):
-    logit = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32) / temperature
+def _chunk_logprobs(w: Array, temperature: float, h: Array, targets: Array, entropy_grad: bool = True,
+                    softcap: float | None = None):
+    logit = _project(h, w, softcap) / temperature
     lse = jax.nn.logsumexp(logit, axis=-1)
     picked = jnp.take_along_axis(logit, targets[..., None], axis=-1)[..., 0]
     ent_in = (logit, lse) if entropy_grad else jax.lax.stop_gradient((logit, lse))
@@ -107,7 +118,7 @@ DIRECT_LOGITS_BYTES = 64 << 20  # a device's target logits up to this size are p
 
 def target_logprobs(w: Array, hidden: Array, target_pos: Array, target_ids: Array, active: Array,
                     temperature: float = 1.0, chunk_size: int = 256,
-                    entropy_grad: bool = True) -> tuple[Array, Array]:
+                    entropy_grad: bool = True, softcap: float | None = None) -> tuple[Array, Array]:
     """log pi and entropy [D, K] of chosen targets only. ``hidden`` [R, S, D_model] holds D
     devices' rows (R / D each, in order); target k of device d is token ``target_ids[d, k]``
     predicted from slot ``target_pos[d, k]`` of that device's rows flattened to R / D * S slots.
@@ -118,14 +129,14 @@ def target_logprobs(w: Array, hidden: Array, target_pos: Array, target_ids: Arra
     a time (the memory of ``chunk_size`` positions per row) under ``jax.checkpoint`` and skips
     (``lax.cond``) chunks with no active target, forward and backward. Either way its cost
     follows the number of targets, not the number of slots. ``entropy_grad=False`` computes
-    the entropy as a constant (no gradient path), for losses that only report it. Inactive
-    targets return 0.
+    the entropy as a constant (no gradient path), for losses that only report it. ``softcap``: the
+    model's final logit soft-cap, applied before the temperature. Inactive targets return 0.
     """
     d, k = target_pos.shape
     r, s, dm = hidden.shape
     h = jnp.take_along_axis(hidden.reshape(d, r // d * s, dm), target_pos[..., None], axis=1)  # [D, K, Dm]
     keep = active.astype(jnp.float32)
-    body = functools.partial(_chunk_logprobs, w, temperature, entropy_grad=entropy_grad)
+    body = functools.partial(_chunk_logprobs, w, temperature, entropy_grad=entropy_grad, softcap=softcap)
     if k * w.shape[1] * 4 <= DIRECT_LOGITS_BYTES:
         lp, ent = body(h, target_ids)
         return lp * keep, ent * keep
@@ -135,13 +146,14 @@ def target_logprobs(w: Array, hidden: Array, target_pos: Array, target_ids: Arra
     ids, act = (jnp.pad(x, ((0, 0), (0, pad))) for x in (target_ids, active.astype(jnp.int32)))
     n = (k + pad) // c
     chunks = lambda x: x.reshape(d, n, c, *x.shape[2:]).swapaxes(0, 1)
-    lp, ent = _projected_chunks(w, chunks(h), chunks(ids), chunks(act), temperature, entropy_grad)
+    lp, ent = _projected_chunks(w, chunks(h), chunks(ids), chunks(act), temperature, entropy_grad, softcap)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(d, n * c)[:, :k] * keep
     return unchunk(lp), unchunk(ent)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _projected_chunks(w: Array, h: Array, ids: Array, active: Array, temperature: float, entropy_grad: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _projected_chunks(w: Array, h: Array, ids: Array, active: Array, temperature: float, entropy_grad: bool,
+                      softcap: float | None):
     """log pi and entropy [n, D, c] of n chunks of targets (h [n, D, c, Dm], ids and active
     [n, D, c]), one chunk's logits at a time, chunks without an active target skipped. The
     backward pass recomputes each chunk's logits and sums the projection's gradient in one
@@ -151,19 +163,21 @@ def _projected_chunks(w: Array, h: Array, ids: Array, active: Array, temperature
 
     def one(xs):
         hc, tc, ac = xs
-        return jax.lax.cond(jnp.any(ac > 0), lambda: _chunk_logprobs(w, temperature, hc, tc, entropy_grad),
+        return jax.lax.cond(jnp.any(ac > 0),
+                            lambda: _chunk_logprobs(w, temperature, hc, tc, entropy_grad, softcap),
                             lambda: (zeros, zeros))
 
     return jax.lax.map(one, (h, ids, active))
 
 
-def _projected_chunks_fwd(w, h, ids, active, temperature, entropy_grad):
-    return _projected_chunks(w, h, ids, active, temperature, entropy_grad), (w, h, ids, active)
+def _projected_chunks_fwd(w, h, ids, active, temperature, entropy_grad, softcap):
+    return _projected_chunks(w, h, ids, active, temperature, entropy_grad, softcap), (w, h, ids, active)
 
 
-def _projected_chunks_bwd(temperature, entropy_grad, res, cotangents):
-    """lp = z[id] - lse and entropy H = lse - sum p z for logits z = h w / T give
-    dz = g_lp (onehot(id) - p) + g_H p (E_p[z] - z); then dh = dz w^T / T, dw = h^T dz / T."""
+def _projected_chunks_bwd(temperature, entropy_grad, softcap, res, cotangents):
+    """lp = z[id] - lse and entropy H = lse - sum p z for logits z = c / T, c = softcap(h w), give
+    dz = g_lp (onehot(id) - p) + g_H p (E_p[z] - z); then with dc = dz (1 - (c / cap)^2) / T
+    (``variants.softcap_grad``; 1 / T uncapped), dh = dc w^T and dw = h^T dc."""
     w, h, ids, active = res
     g_lp, g_ent = cotangents
 
@@ -171,12 +185,13 @@ def _projected_chunks_bwd(temperature, entropy_grad, res, cotangents):
         hc, tc, ac, glc, gec = xs
 
         def grads():
-            z = jnp.einsum("btd,dv->btv", hc, w.astype(hc.dtype), preferred_element_type=jnp.float32) / temperature
+            c = _project(hc, w, softcap)
+            z = c / temperature
             p = jax.nn.softmax(z, axis=-1)
             dz = glc[..., None] * (jax.nn.one_hot(tc, z.shape[-1], dtype=jnp.float32) - p)
             if entropy_grad:
                 dz = dz + gec[..., None] * p * (jnp.sum(p * z, axis=-1, keepdims=True) - z)
-            dz = (dz / temperature).astype(hc.dtype)
+            dz = (dz * softcap_grad(c, softcap) / temperature).astype(hc.dtype)
             dh = jnp.einsum("btv,dv->btd", dz, w.astype(hc.dtype), preferred_element_type=jnp.float32)
             return dw + jnp.einsum("btd,btv->dv", hc, dz, preferred_element_type=jnp.float32), dh.astype(hc.dtype)
 
@@ -190,13 +205,13 @@ _projected_chunks.defvjp(_projected_chunks_fwd, _projected_chunks_bwd)
 
 
 def logprobs_from_hidden(w: Array, hidden: Array, input_ids: Array, temperature: float = 1.0,
-                         chunk_size: int = 256) -> tuple[Array, Array]:
+                         chunk_size: int = 256, softcap: float | None = None) -> tuple[Array, Array]:
     """log pi(input_ids[:, t] | input_ids[:, :t]) and the entropy of that distribution.
 
     Returns two float32 [B, T] arrays aligned with ``input_ids`` (column 0 is 0: the
     first token has no context). The vocabulary projection runs ``chunk_size`` positions
     at a time under ``jax.checkpoint``, so neither the forward nor the backward pass holds
-    a [B, T, V] tensor.
+    a [B, T, V] tensor. ``softcap``: as ``target_logprobs``'.
     """
     b, t, d = hidden.shape
     h, targets = hidden[:, :-1], input_ids[:, 1:]
@@ -208,7 +223,7 @@ def logprobs_from_hidden(w: Array, hidden: Array, input_ids: Array, temperature:
     k = (n + pad) // c
     h = h.reshape(b, k, c, d).swapaxes(0, 1)
     targets = targets.reshape(b, k, c).swapaxes(0, 1)
-    body = jax.checkpoint(functools.partial(_chunk_logprobs, w, temperature))
+    body = jax.checkpoint(functools.partial(_chunk_logprobs, w, temperature, softcap=softcap))
     lp, ent = jax.lax.map(lambda xs: body(*xs), (h, targets))
     lp = lp.swapaxes(0, 1).reshape(b, k * c)[:, :n]
     ent = ent.swapaxes(0, 1).reshape(b, k * c)[:, :n]
@@ -222,4 +237,5 @@ def token_logprobs(cfg: ModelConfig, params, input_ids: Array, attention_mask: A
     :func:`logprobs_from_hidden` for alignment). ``temperature`` divides the logits, as
     the sampler does, so these are the log-probs of the distribution it sampled from."""
     hidden = hidden_states(cfg, params, input_ids, attention_mask)
-    return logprobs_from_hidden(unembed_matrix(cfg, params), hidden, input_ids, temperature, chunk_size)
+    return logprobs_from_hidden(unembed_matrix(cfg, params), hidden, input_ids, temperature, chunk_size,
+                                cfg.final_logit_softcapping)

@@ -1,5 +1,6 @@
-"""Rotary position embeddings (RoPE), rotate-half form, with Llama 3's frequency scaling: the
-decoder's (``decoder.Attention``) and the fused decode kernel's reference (``decode_attention``)."""
+"""Rotary position embeddings (RoPE), rotate-half form, with Llama 3's frequency scaling and linear
+scaling (Gemma 3's global layers): the decoder's (``decoder.Attention``) and the fused decode kernel's
+reference (``decode_attention``)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ from arlopti_jax.models.config import ModelConfig
 Array = jax.Array
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Array:
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> Array:
+    """[head_dim / 2] float32 frequencies of the full-attention layers, or (``sliding``) of the
+    sliding-window layers: plain RoPE at ``rope_local_theta`` (Gemma 3's local layers)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    if cfg.rope_scaling is None:
+    theta = cfg.rope_local_theta if sliding and cfg.rope_local_theta else cfg.rope_theta
+    inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if cfg.rope_scaling is None or sliding:
         return inv
-    s = dict(cfg.rope_scaling)  # Llama 3 frequency-dependent scaling
+    s = dict(cfg.rope_scaling)
+    if s["rope_type"] == "linear":  # positions divided by the factor
+        return inv / s["factor"]
+    # Llama 3 frequency-dependent scaling
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv

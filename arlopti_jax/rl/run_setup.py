@@ -84,8 +84,8 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
         raise ValueError("config.data.train_files is empty: name the training files or folders")
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"config.model.path={model}: not a Hugging Face model folder (no config.json)")
-    try:
-        ModelConfig.from_pretrained(model)  # an architecture this project does not implement stops here
+    try:  # an architecture this project does not implement, or a setting that cannot serve it, stops here
+        model_cfg = model_config(config, Path(model))
     except ValueError as err:
         raise ValueError(f"config.model.path={config.model.path or model}: {err}") from None
     if build and not any(Path(model).glob("*.safetensors")):  # pickled weights are never read
@@ -93,6 +93,8 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
         raise FileNotFoundError(f"config.model.path={config.model.path or model}: no *.safetensors weights in "
                                 f"{model}" + (f" (only {', '.join(found[:3])}: pickled weights are not read; "
                                               "convert them to safetensors)" if found else ""))
+    for line in model_cfg.fallbacks(jax.default_backend()):  # an 'auto' setting that runs another kernel
+        log.warning("%s", line)
 
     def files(field, value):
         split = "train" if field == "train_files" else "test"  # a Hub dataset's split, when none is named

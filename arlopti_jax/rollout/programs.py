@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
 from arlopti_jax.models.decode import CACHE_AXES, fused_counters, fused_layer, fused_layers
-from arlopti_jax.models.decoder import Block, Decoder, RMSNorm, attention_mask, position_ids
-from arlopti_jax.models.policy import unembed_matrix
+from arlopti_jax.models.decoder import Block, Decoder, embed, layer_masks, norm, position_ids
+from arlopti_jax.models.policy import unembed
 from arlopti_jax.rollout.sampling import sample_tokens
 
 Array = jax.Array
@@ -97,9 +97,8 @@ def _constrain(state: DecodeState) -> DecodeState:
 
 
 def _next_logits(cfg: ModelConfig, params, hidden: Array) -> Array:
-    """float32 logits [B, V] of the last position of hidden [B, T, D]."""
-    w = unembed_matrix(cfg, params)
-    return jnp.einsum("bd,dv->bv", hidden[:, -1], w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    """float32 logits [B, V] of the last position of hidden [B, T, D] (soft-capped where the model caps them)."""
+    return unembed(cfg, params, hidden[:, -1:])[:, 0]
 
 
 def _is_eos(tokens: Array, eos_ids: Array) -> Array:
@@ -116,18 +115,17 @@ def _forward(cfg: ModelConfig, params, tokens: Array, positions: Array, kv_mask:
         hidden, cache = Decoder(cfg).apply({"params": params}, tokens, positions, kv_mask, cache=cache,
                                            cache_index=cache_index)
         return hidden, _constrain_cache(cache)
-    x = jnp.take(params["embedding"], tokens, axis=0).astype(cfg.compute_dtype)
-    mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
+    x = embed(cfg, params["embedding"], tokens)
+    masks = layer_masks(cfg, kv_mask, tokens.shape[1], cache_index)
     counters = fused_counters(cfg, tokens.shape[0]) if fused_layers(cfg, tokens.shape[1], cache) else None
     for i in range(cfg.num_layers):
         layers = params["layers"]  # a buffer per layer (``Sampler.sampling_params``), or stacked
         layer = layers[i] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[i], layers)
         if counters is not None:  # a decode step's layer in 6 kernels (GPU; ``decode.fused_layer``)
-            x, cache, counters = fused_layer(cfg, layer, x, positions, mask, cache, i, cache_index, counters)
+            x, cache, counters = fused_layer(cfg, layer, x, positions, masks, cache, i, cache_index, counters)
         else:
-            (x, cache), _ = Block(cfg).apply({"params": layer}, (x, cache), i, positions, mask, cache_index)
-    norm = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype)
-    return norm.apply({"params": params["final_norm"]}, x), _constrain_cache(cache)
+            (x, cache), _ = Block(cfg).apply({"params": layer}, (x, cache), i, positions, masks, cache_index)
+    return norm(cfg).apply({"params": params["final_norm"]}, x), _constrain_cache(cache)
 
 
 def prefill(cfg: ModelConfig, params, prompt_ids: Array, prompt_mask: Array):

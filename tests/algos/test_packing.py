@@ -228,11 +228,13 @@ def test_packed_step_equals_dense_unpacked_computation(agg, tokens):
                                                                            else "ratio_sum"]) / n_tok, rtol=1e-5)
 
 
-@pytest.mark.parametrize("entropy_grad", [True, False])
-def test_chunked_vocabulary_projection_equals_direct(entropy_grad, monkeypatch):
+@pytest.mark.parametrize("entropy_grad, softcap", [(True, None), (False, None), (True, 2.0)],
+                         ids=["entropy_grad", "no_entropy_grad", "softcap"])
+def test_chunked_vocabulary_projection_equals_direct(entropy_grad, softcap, monkeypatch):
     """Large vocabularies project the targets a chunk at a time with a hand-written backward pass
     (one [D, V] gradient buffer, not one per chunk): values and gradients equal the direct
-    projection's autodiff, with inactive targets and a chunk without any active target."""
+    projection's autodiff, with inactive targets and a chunk without any active target, and with
+    the logits soft-capped (Gemma's final_logit_softcapping) before the temperature."""
     from arlopti_jax.models import policy
 
     rng = np.random.default_rng(0)
@@ -247,7 +249,8 @@ def test_chunked_vocabulary_projection_equals_direct(entropy_grad, monkeypatch):
     a, b = (jnp.asarray(rng.normal(size=(devices, k)), jnp.float32) for _ in range(2))
 
     def objective(w, hidden):
-        lp, ent = policy.target_logprobs(w, hidden, pos, ids, active, 0.7, 4, entropy_grad=entropy_grad)
+        lp, ent = policy.target_logprobs(w, hidden, pos, ids, active, 0.7, 4, entropy_grad=entropy_grad,
+                                         softcap=softcap)
         return jnp.sum(lp * a + ent * b)
 
     def run(direct_bytes):

@@ -5,6 +5,7 @@ log-probs, the loss and every gradient leaf, Lopti's two passes, the diagnostics
 devices; prompts of different lengths, left-padded, groups split across micro-batches, prompts
 no other row repeats. Breaking the isolation (a response that sees a sibling) fails the check."""
 
+import dataclasses
 import functools
 
 import jax
@@ -199,6 +200,42 @@ def test_a_response_that_sees_a_sibling_fails_the_check(monkeypatch):
     with pytest.raises(AssertionError):
         assert_logprobs_match(got, want)
     assert np.abs(got - want).max() > 1e-2
+
+
+# Qwen3's q/k norms, and Gemma 3's pieces at this test's size: a sliding window of 4 slots (shorter than
+# most prompts and responses) on layer 0 with its own RoPE theta, q/k norms, (1 + w) norms around each
+# sublayer, GELU, both soft-caps
+FAMILIES = {"qwen3": dataclasses.replace(CFG, architecture="Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+            "gemma3": dataclasses.replace(CFG, architecture="Gemma3ForCausalLM", qkv_bias=False, qk_norm=True,
+                                          layer_types=("sliding_attention", "full_attention"), sliding_window=4,
+                                          rope_local_theta=1e4, query_pre_attn_scalar=12.0, tie_word_embeddings=True,
+                                          attn_logit_softcapping=3.0, final_logit_softcapping=4.0)}
+
+
+@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow), "gemma3"])  # 13-18 s each
+def test_other_families_shared_logprobs_and_update_equal_dense_and_unshared(name):
+    """A shared prompt's responses sit further along a packed row than they are from the prompt, so a
+    sliding window counts positions there, not slots: the shared layout's log-probs equal the dense
+    pass's (whose window counts slots), and one SGD step's parameters equal the unshared layout's."""
+    cfg = FAMILIES[name]
+    rng = np.random.default_rng(4)
+    host = jax.tree_util.tree_map_with_path(lambda path, leaf: (rng.normal(0.0, 0.2, leaf.shape) + (
+        "scale" in jax.tree_util.keystr(path))).astype(np.float32), abstract_params(cfg))
+    fresh = lambda: jax.device_put(host, param_shardings(cfg, mesh_of()))
+    batch = train_batch()
+    shared = make_compute_logprobs(cfg, mesh_of(), temperature=LOSS.temperature, tokens_per_device=64)
+    got = shared(fresh(), batch)
+    assert shared.processed[-1].real_tokens < batch["attention_mask"].sum()  # the shared layout ran
+    dense = np.asarray(token_logprobs(cfg, fresh(), batch["input_ids"], batch["attention_mask"],
+                                      temperature=LOSS.temperature)[0]) * batch["response_mask"]
+    assert_logprobs_match(got, dense)
+    minus_gradient = {}  # one SGD(1) step's parameters less the initial ones
+    for layout in (True, False):
+        step = make_train_step(cfg, LOSS, optax.sgd(1.0), mesh_of(), tokens_per_device=64, shared_prefix=layout)
+        p0 = fresh()
+        new = jax.device_get(step(p0, init_opt_state(optax.sgd(1.0), cfg, p0, mesh_of()), batch)[0])
+        minus_gradient[layout] = jax.tree.map(lambda x, h: np.asarray(x, np.float64) - h, new, host)
+    assert_gradients_match(minus_gradient[True], minus_gradient[False])
 
 
 @functools.cache

@@ -92,6 +92,26 @@ def test_one_rl_step_compiles_for_an_h100():
         "command_buffers"] > 0, decode["gpu"]
 
 
+@pytest.mark.slow  # every program of a step, twice: docs/reference/memory.md has Gemma-3-4B's compiled figures
+@pytest.mark.parametrize("target, caps", [("v5e-8", True), ("h100", False)], ids=["v5e-8-softcaps", "h100"])
+def test_a_gemma3_step_compiles_for_a_tpu_slice_and_an_h100(target, caps, tmp_path):
+    """Gemma 3's pieces (sliding and global layers picked inside the layer loop, their masks and RoPE;
+    q/k norms) through every program of a step, by each target's own compiler, from a tiny folder's
+    config.json: on the TPU with both soft-caps, on the H100 without (so its decode steps run the
+    Pallas kernel, a sliding layer's window as each row's first slot)."""
+    from hf_fixtures import SOFTCAPS, write_hf_model
+
+    from arlopti_jax.aot.check import check
+
+    folder = write_hf_model(tmp_path / "gemma3", kind="gemma3", **(SOFTCAPS if caps else {}))
+    record = check(small_config(**{"model.path": str(folder), "rollout.length_aware": True, "rollout.min_rows": 4,
+                                   "rollout.phase_tokens": 8}), targets.get(target))
+    names = [p["name"] for p in record["programs"]]
+    assert record["fits"] and record["model"] == f"{folder}/config.json"
+    assert any(n.startswith("decode") for n in names) and any(n.startswith("grow") for n in names)
+    assert [n.split()[0] for n in names[-3:]] == ["zeros", "accumulate", "apply"]
+
+
 def test_compiler_argument_bytes_equal_a_count_of_the_sharded_state():
     """The optimizer step's arguments on 8 H100s (dense layouts: a TPU pads small dimensions to its
     (8, 128) tiles) are the parameters, the AdamW moments and the float32 gradient accumulator:

@@ -3,6 +3,9 @@ lays them out, for the converter's tests beyond SmolLM2:
 
 - ``qwen2``: a Qwen2 model (q/k/v biases, tied embeddings) with a Qwen2-style byte-level BPE
   tokenizer (``tokenizer.ggml.pre = qwen2``: NFC, digits one by one);
+- ``qwen3``: a Qwen3 model as llama.cpp's converter writes one (no biases, the q/k norms as
+  ``attn_q_norm`` / ``attn_k_norm``, head size 128 in ``attention.key_length``, not hidden / heads,
+  untied output) with the Qwen2-style tokenizer, which Qwen3's files name too;
 - ``llama``: a Llama model (untied output, q/k rows in llama.cpp's rotary order) with a
   Llama-3-style one (``llama-bpe``: digits in threes, a begin-of-text token added, and whole
   words the vocabulary holds without the merges to build them, which a tokenizer with
@@ -26,6 +29,7 @@ WHOLE_WORDS = ("Ġextraordinarily", "Ġcounterrevolutionaries", "Ġpneumonoultra
 SPECIAL = {"qwen2": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
            "llama": ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                      "<|eot_id|>")}
+SPECIAL["qwen3"] = SPECIAL["qwen2"]
 CHAT_TEMPLATE = {
     "qwen2": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
@@ -67,7 +71,8 @@ def _corpus(seed: int) -> list[str]:
 
 
 def train_tokenizer(kind: str, vocab_size: int = 480, seed: int = 0) -> tuple[list[str], list[str]]:
-    """(tokens, merges) of a byte-level BPE trained the way ``kind``'s family splits text."""
+    """(tokens, merges) of a byte-level BPE trained the way ``kind``'s family splits text (Qwen3: Qwen2's way)."""
+    kind = "qwen2" if kind == "qwen3" else kind
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import _LLAMA3_SPLIT
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
@@ -97,8 +102,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, kind: str, seed: int = 0, layers: int = 2) -> tuple[list[str], list[str]]:
-    """A small ``kind`` ('qwen2' or 'llama') model with its family's tokenizer, as one GGUF file at
-    ``path``; returns the file's (tokens, merges)."""
+    """A small ``kind`` ('qwen2', 'qwen3' or 'llama') model with its family's tokenizer, as one GGUF file
+    at ``path``; returns the file's (tokens, merges)."""
     import gguf
     from gguf.quants import quantize
 
@@ -110,7 +115,9 @@ def write_gguf(path: Path, kind: str, seed: int = 0, layers: int = 2) -> tuple[l
     tokens += [f"[PAD{i}]" for i in range(pad)]
     types += [gguf.TokenType.UNUSED] * pad
     vocab, hidden, ffn, heads, kv_heads = len(tokens), 64, 96, 4, 2
-    head_dim = hidden // heads
+    qwen = kind in ("qwen2", "qwen3")
+    # Qwen3's head size: what transformers' GGUF reader assumes for qwen3 files (it reads no key_length)
+    head_dim = 128 if kind == "qwen3" else hidden // heads
     rng = np.random.default_rng(seed)
     normal = lambda *shape: (rng.standard_normal(shape) * 0.08).astype(np.float32)
     norm = lambda: (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
@@ -124,17 +131,20 @@ def write_gguf(path: Path, kind: str, seed: int = 0, layers: int = 2) -> tuple[l
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(1e6 if kind == "qwen2" else 5e5)
-    w.add_layer_norm_rms_eps(1e-6 if kind == "qwen2" else 1e-5)
+    w.add_rope_freq_base(1e6 if qwen else 5e5)
+    w.add_layer_norm_rms_eps(1e-6 if qwen else 1e-5)
     if kind == "llama":
         w.add_rope_dimension_count(head_dim)
         w.add_vocab_size(vocab)
+    if kind == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if kind == "qwen2" else "llama-bpe")
+    w.add_tokenizer_pre("qwen2" if qwen else "llama-bpe")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    if kind == "qwen2":
+    if qwen:
         w.add_eos_token_id(tokens.index("<|im_end|>"))
         w.add_pad_token_id(tokens.index("<|endoftext|>"))
         w.add_bos_token_id(tokens.index("<|endoftext|>"))
@@ -143,7 +153,7 @@ def write_gguf(path: Path, kind: str, seed: int = 0, layers: int = 2) -> tuple[l
         w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
         w.add_eos_token_id(tokens.index("<|eot_id|>"))
         w.add_add_bos_token(True)
-    w.add_chat_template(CHAT_TEMPLATE[kind])
+    w.add_chat_template(CHAT_TEMPLATE["qwen2" if qwen else kind])
 
     def tensor(name, array, qtype):
         w.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
@@ -160,13 +170,16 @@ def write_gguf(path: Path, kind: str, seed: int = 0, layers: int = 2) -> tuple[l
         if kind == "qwen2":
             for name, rows in (("attn_q", heads), ("attn_k", kv_heads), ("attn_v", kv_heads)):
                 tensor(f"blk.{i}.{name}.bias", normal(rows * head_dim) * 2, F32)
+        if kind == "qwen3":
+            for name in ("attn_q_norm", "attn_k_norm"):
+                tensor(f"blk.{i}.{name}.weight", 1.0 + normal(head_dim), F32)
         tensor(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim), Q8)
         tensor(f"blk.{i}.ffn_norm.weight", norm(), F32)
         tensor(f"blk.{i}.ffn_gate.weight", normal(ffn, hidden), Q8)
         tensor(f"blk.{i}.ffn_up.weight", normal(ffn, hidden), F16)
         tensor(f"blk.{i}.ffn_down.weight", normal(hidden, ffn), Q8)
     tensor("output_norm.weight", norm(), F32)
-    if kind == "llama":
+    if kind in ("llama", "qwen3"):
         tensor("output.weight", normal(vocab, hidden), Q8)
     w.write_header_to_file()
     w.write_kv_data_to_file()

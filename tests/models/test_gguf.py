@@ -1,5 +1,6 @@
-"""The GGUF converter beyond SmolLM2: small Qwen2 and Llama-3-style files written with the gguf
-package's writer (``gguf_fixtures.py``), checked against references that share none of its code:
+"""The GGUF converter beyond SmolLM2: small Qwen2, Qwen3 and Llama-3-style files written with the gguf
+package's writer in llama.cpp's layouts (``gguf_fixtures.py``), checked against references that share
+none of its code:
 
 - tokens: a plain-Python byte-level BPE following each family's definition (Qwen2: NFC, digits one
   by one; Llama 3: digits in threes, ``ignore_merges``), transformers' own Qwen2Tokenizer built
@@ -28,7 +29,8 @@ from arlopti_jax.models import load_pretrained, logits
 from arlopti_jax.models.gguf import GGUFError, convert, main
 from gguf_fixtures import HARD_TEXTS, SPECIAL, WHOLE_WORDS, reference_tokenize, write_gguf
 
-KINDS = ("qwen2", "llama")
+KINDS = ("qwen2", "llama")  # tokenizer families (Qwen3's files hold Qwen2's)
+ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -37,7 +39,7 @@ def files(tmp_path_factory):
     """kind -> (the GGUF file, its tokens, its merges, our converted folder)."""
     root = tmp_path_factory.mktemp("gguf")
     out = {}
-    for kind in KINDS:
+    for kind in ARCHS:
         tokens, merges = write_gguf(root / f"{kind}.gguf", kind)
         out[kind] = (root / f"{kind}.gguf", tokens, merges, convert(root / f"{kind}.gguf", root / f"{kind}_hf"))
     return out
@@ -85,15 +87,16 @@ def test_tokenizer_equals_the_family_definition(files, kind):
         assert bos[0] == tokens.index("<|begin_of_text|>") and bos == via_gguf(HARD_TEXTS[0])["input_ids"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ARCHS)
 def test_logits_equal_transformers_reading_the_gguf_file(files, kind):
     import torch
     import transformers
 
     path, tokens, _, folder = files[kind]
     cfg, params = load_pretrained(folder, mesh=shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]), dtype="float32")
-    assert cfg.architecture == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[kind]
+    assert cfg.architecture == ARCHS[kind]
     assert cfg.qkv_bias == (kind == "qwen2") and cfg.tie_word_embeddings == (kind == "qwen2")
+    assert cfg.qk_norm == (kind == "qwen3") and cfg.head_dim == (128 if kind == "qwen3" else 16)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                             dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
@@ -181,6 +184,8 @@ def test_missing_or_misshapen_tensors_give_one_line(files, tmp_path, capsys):
     assert "blk.0.attn_v.weight has shape [16, 64]" in line and "[32, 64]" in line
     assert "blk.7.ffn_up.weight is not part of a 2-layer" in _errors(
         [str(_rewrite(src, tmp_path / "d.gguf", extra=True)), out], capsys)
+    qwen3 = _rewrite(files["qwen3"][0], tmp_path / "e.gguf", drop={"blk.1.attn_k_norm.weight"})
+    assert "tensor blk.1.attn_k_norm.weight missing" in _errors([str(qwen3), out], capsys)
     assert not (tmp_path / "out").exists()
 
 

@@ -1,7 +1,6 @@
 """model.path as a Hugging Face Hub id, resolved through huggingface_hub against a real Hub cache
 laid out on disk (blobs, snapshots linking to them, refs), offline: no network, no mock."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -10,25 +9,10 @@ import sys
 
 import pytest
 
+from hf_fixtures import hub_cache
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
-
-
-def hub_cache(home, repo: str, folder, commit: str, branch: str = "main"):
-    """``folder``'s files as huggingface_hub's cache keeps a downloaded snapshot of ``repo``: each
-    file a blob named by its hash, the snapshot's files links to the blobs, refs/BRANCH the commit."""
-    root = home / "hub" / ("models--" + repo.replace("/", "--"))
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-        data = f.read_bytes()
-        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = root / "snapshots" / commit / f.relative_to(folder)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / branch).write_text(commit)
-    return root / "snapshots" / commit
 
 
 def run(args, home, startup_only=True):

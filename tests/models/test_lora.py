@@ -100,10 +100,12 @@ def test_bad_lora_settings_name_the_field(bad, field):
         dataclasses.replace(BASE, **bad)
 
 
-def test_the_exported_peft_adapter_and_merged_folder_give_our_logits_in_transformers(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow), "gemma3"])
+def test_the_exported_peft_adapter_and_merged_folder_give_our_logits_in_transformers(tmp_path, kind):
     """Our adapters written as a PEFT folder and loaded by ``peft`` onto transformers' model of the
     base folder, and the merged weights written as a plain Hugging Face folder: both give the
-    logits of our model with its adapters."""
+    logits of our model with its adapters (Qwen3 and Gemma 3 too: their q/k norms and Gemma's
+    sublayer norms sit between the adapted projections)."""
     peft = pytest.importorskip("peft")
     import torch
     import transformers
@@ -112,7 +114,7 @@ def test_the_exported_peft_adapter_and_merged_folder_give_our_logits_in_transfor
     from arlopti_jax.models import load_pretrained, save_pretrained
     from arlopti_jax.models.hf import save_adapter
 
-    folder = write_hf_model(tmp_path / "base", kind="qwen2")
+    folder = write_hf_model(tmp_path / "base", kind=kind)
     mesh = shd.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
     base_cfg, base_params = load_pretrained(folder, mesh=mesh)
     cfg = dataclasses.replace(base_cfg, lora_rank=4, lora_alpha=8.0, lora_targets=("q", "v", "o", "gate", "down"))
