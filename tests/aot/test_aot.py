@@ -92,8 +92,11 @@ def test_one_rl_step_compiles_for_an_h100():
         "command_buffers"] > 0, decode["gpu"]
 
 
-@pytest.mark.slow  # every program of a step, twice: docs/reference/memory.md has Gemma-3-4B's compiled figures
-@pytest.mark.parametrize("target, caps", [("v5e-8", True), ("h100", False)], ids=["v5e-8-softcaps", "h100"])
+# every program of a step: docs/reference/memory.md has Gemma-3-4B's compiled figures. The H100 compile
+# took 957 s on the loaded 2-core machine (2026-12-01), past the slow pass's budget: the TPU one stays
+# (400 s there); the GPU kernel's sliding window is tested on the CPU (tests/rollout/test_families.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("target, caps", [("v5e-8", True)], ids=["v5e-8-softcaps"])
 def test_a_gemma3_step_compiles_for_a_tpu_slice_and_an_h100(target, caps, tmp_path):
     """Gemma 3's pieces (sliding and global layers picked inside the layer loop, their masks and RoPE;
     q/k norms) through every program of a step, by each target's own compiler, from a tiny folder's
