@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
@@ -371,15 +372,19 @@ class Sampler:
                 out, row_fields(state))
         return Decoded(**final, steps=step, loops=tuple(loops))
 
-    def programs(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig, compile) -> None:
+    def schedule(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig,
+                 key=None) -> list[compiles.Program]:
         """Every program a ``generate`` of ``prompts`` prompts (the global count; the longest
         ``longest`` tokens) x ``n`` samples can run, in the order ``decode`` meets them: the weights'
         cast to the compute dtype (``sampling_params``), prefill,
         start, then one decode loop per (rows per device, cache slots) the schedule can reach,
         with each compaction, growth and final scatter between them (``length_aware``; the
-        dense path is one loop). Each goes to ``compile(name, jitted, *args, **kwargs)`` with
-        abstract arguments (``params`` too: ShapeDtypeStructs with their shardings), which
-        returns its outputs as abstract values. Nothing is allocated (``arlopti_jax.aot``)."""
+        dense path is one loop). Each is a ``compiles.Program`` on abstract arguments: ``params``
+        (ShapeDtypeStructs with their shardings), ``key`` (the generate's key, ``compiles.abstract``;
+        default: one replicated over the mesh), the settings as the host values ``_traced_settings``
+        passes, and each state as the ``compiles.Output`` of the program that makes it. Nothing is
+        allocated. ``programs`` compiles them one after another (``arlopti_jax.aot``),
+        ``compiles.compile_all`` in parallel (``train``'s warm-up)."""
         div = self.devices
         b = batch_rows(prompts, sampling, div)
         p, r = sampling.width(longest), sampling.max_response_len
@@ -388,46 +393,60 @@ class Sampler:
         spec = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         ids, live, stops = (spec((b, p), jnp.int32, rows2), spec((b,), jnp.bool_, rows1),
                             spec((b * n,), jnp.int32, rows1))
-        key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep)
-        eos = eos_width(sampling)
-        temperature, top_p, eos_ids = (spec((), jnp.float32, rep), spec((), jnp.float32, rep),
-                                       spec((eos,), jnp.int32, rep))
-        greedy = spec((), jnp.bool_, rep)  # data: greedy and sampled decoding share these programs
+        key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep) if key is None else key
+        # host values, as ``_traced_settings`` passes them: no sharding of their own. greedy is data:
+        # greedy and sampled decoding share these programs
+        temperature, top_p, eos_ids, greedy = (jax.ShapeDtypeStruct(np.shape(v), v.dtype)
+                                               for v in self._traced_settings(sampling))
         ends, kernel = sampling.phase_ends(), sampling.kernel_key
+        out: list[compiles.Program] = []
+
+        def add(name, jitted, *args, **kwargs) -> compiles.Output:
+            out.append(compiles.Program(name, jitted, args, kwargs))
+            return compiles.Output(name)
+
+        weights = params if self._cast is None else add(SAMPLING_WEIGHTS, self._cast, params)
+        prefill = add("prefill", self._prefill, weights, ids, ids)
+        start = add("start", self._start, prefill.part(lambda o: o[0]), prefill.part(lambda o: o[1]), ids, live,
+                    stops, key, temperature, top_p, eos_ids, n=n, max_len=r, slots=p + ends[0], kernel=kernel,
+                    greedy=greedy)
+        first = b * n // div
+        step_args = (key, temperature, top_p, eos_ids, jax.ShapeDtypeStruct((), jnp.int32))
+        if not sampling.length_aware:
+            add(f"decode rows={first} slots={p + r}", self._decode, weights, start, *step_args, kernel=kernel,
+                greedy=greedy)
+            return out
+        # rows per device: the batch's, then the powers of two below it down to min_rows
+        buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length()))
+                             if 1 << i >= sampling.min_rows]
+        full = start.part(lambda s: {name: getattr(s, name) for name in OUTPUTS})
+        states = {(first, 0): start}
+        for phase, end in enumerate(ends):  # as decode meets them: phases up, rows down
+            for i, rows in enumerate(buckets):
+                state = states.get((rows, phase))
+                if state is None:
+                    continue
+                slots = p + end
+                add(f"decode rows={rows} slots={slots}", self._decode, weights, state, *step_args, kernel=kernel,
+                    greedy=greedy)
+                if rows != first and phase == 0:  # the final scatter reads only the rows' outputs
+                    add(f"scatter rows={rows}", self._scatter, full, state.part(row_fields))
+                if i + 1 < len(buckets):  # nothing compacted yet (out None) while the batch is whole
+                    states[(buckets[i + 1], phase)] = add(
+                        f"compact rows={rows} slots={slots}", self._compact, state,
+                        None if rows == first else full, rows=buckets[i + 1]).part(lambda o: o[0])
+                if phase + 1 < len(ends):
+                    states[(rows, phase + 1)] = add(f"grow rows={rows} slots={slots}", self._grow, state,
+                                                    slots=p + ends[phase + 1])
+        return out
+
+    def programs(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig, compile,
+                 key=None) -> None:
+        """``schedule``'s programs, each to ``compile(name, jitted, *args, **kwargs)`` in turn, under
+        the sampler's mesh and rules; ``compile`` returns the program's outputs as abstract values
+        (``arlopti_jax.aot``)."""
         with shd.activate(self.mesh, self.rules):
-            if self._cast is not None:
-                params = compile(SAMPLING_WEIGHTS, self._cast, params)
-            cache, logits = compile("prefill", self._prefill, params, ids, ids)
-            start = compile("start", self._start, cache, logits, ids, live, stops, key, temperature, top_p, eos_ids,
-                            n=n, max_len=r, slots=p + ends[0], kernel=kernel, greedy=greedy)
-            first = b * n // div
-            step_args = (key, temperature, top_p, eos_ids, spec((), jnp.int32, rep))
-            if not sampling.length_aware:
-                compile(f"decode rows={first} slots={p + r}", self._decode, params, start, *step_args, kernel=kernel,
-                        greedy=greedy)
-                return
-            # rows per device: the batch's, then the powers of two below it down to min_rows
-            buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length()))
-                                 if 1 << i >= sampling.min_rows]
-            full = {name: getattr(start, name) for name in OUTPUTS}
-            states = {(first, 0): start}
-            for phase, end in enumerate(ends):  # as decode meets them: phases up, rows down
-                for i, rows in enumerate(buckets):
-                    state = states.get((rows, phase))
-                    if state is None:
-                        continue
-                    slots = p + end
-                    compile(f"decode rows={rows} slots={slots}", self._decode, params, state, *step_args,
-                            kernel=kernel, greedy=greedy)
-                    if rows != first and phase == 0:  # the final scatter reads only the rows' outputs
-                        compile(f"scatter rows={rows}", self._scatter, full, row_fields(state))
-                    if i + 1 < len(buckets):  # nothing compacted yet (out None) while the batch is whole
-                        states[(buckets[i + 1], phase)], _ = compile(
-                            f"compact rows={rows} slots={slots}", self._compact, state,
-                            None if rows == first else full, rows=buckets[i + 1])
-                    if phase + 1 < len(ends):
-                        states[(rows, phase + 1)] = compile(f"grow rows={rows} slots={slots}", self._grow, state,
-                                                            slots=p + ends[phase + 1])
+            compiles.run_in_order(self.schedule(params, prompts, longest, n, sampling, key), compile)
 
     def generate(self, params, prompts: Sequence[Sequence[int]], n: int, key: Array,
                  sampling: SamplingConfig, stop_at: np.ndarray | None = None, pad_to: int = 0) -> Rollout:
