@@ -24,6 +24,13 @@ from arlopti_jax.runtime import faults
 
 log = logging.getLogger(__name__)
 
+# A replicated array (a norm's weights over fsdp, every weight over mesh.data) is written by one
+# replica, not in slices by each: orbax's slicing compiles a program per array and replica at the
+# first save (32 for the test model on 8 devices), after the run's warm-up (rl/warm_up.py). Orbax
+# already writes so on GPUs; the arrays replicated under the fsdp layouts are small.
+ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                                        override=True)
+
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True):
