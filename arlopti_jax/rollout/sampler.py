@@ -173,16 +173,23 @@ class Sampler:
             rules = shd.weights_off_batch_axes(rules)
         self.cfg, self.mesh, self.rules = model_cfg, mesh, rules
         self.devices = shd.batch_divisor(mesh)
-        self._prefill = jax.jit(functools.partial(programs.prefill, model_cfg))
-        self._start = jax.jit(programs.start, static_argnames=("n", "max_len", "slots", "kernel"))
-        self._decode = jax.jit(functools.partial(programs.decode, model_cfg, devices=self.devices),
-                               static_argnames=("kernel",), donate_argnames=("state",))
-        self._compact = jax.jit(functools.partial(programs.compact, devices=self.devices), static_argnames=("rows",),
-                                donate_argnames=("out",))  # the state's arrays change shape
-        self._grow = jax.jit(programs.grow, static_argnames=("slots",))
-        self._scatter = jax.jit(functools.partial(programs.scatter, devices=self.devices), donate_argnames=("out",))
-        self._cast = None
         per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
+        # every program's outputs in the shardings its constraints give them, named: left to the
+        # compiler, a 1-device mesh's outputs come back as P('tensor', 'fsdp') from one program and
+        # P() from another, the same layout under two names, and the program that reads them compiles
+        # once per name (``schedule`` lists one)
+        state, rows, status = self._state_shardings(per_layer)
+        self._prefill = jax.jit(functools.partial(programs.prefill, model_cfg), out_shardings=(state.cache, rows))
+        self._start = jax.jit(programs.start, static_argnames=("n", "max_len", "slots", "kernel"), out_shardings=state)
+        self._decode = jax.jit(functools.partial(programs.decode, model_cfg, devices=self.devices),
+                               static_argnames=("kernel",), donate_argnames=("state",), out_shardings=(state, status))
+        outputs = {name: getattr(state, name) for name in OUTPUTS}
+        self._compact = jax.jit(functools.partial(programs.compact, devices=self.devices), static_argnames=("rows",),
+                                donate_argnames=("out",), out_shardings=(state, outputs))  # the state changes shape
+        self._grow = jax.jit(programs.grow, static_argnames=("slots",), out_shardings=state)
+        self._scatter = jax.jit(functools.partial(programs.scatter, devices=self.devices), donate_argnames=("out",),
+                                out_shardings=outputs)
+        self._cast = None
         if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer or self._lora or self.whole_weights:
             from arlopti_jax.models import decode, lora, param_shardings
 
@@ -214,6 +221,23 @@ class Sampler:
                     attn["qkv_bias"] = fused["qkv_bias"]
                 shardings = {**shardings, "layers": ({**one, "attn": attn},) * model_cfg.num_layers}
             self._cast = jax.jit(prepare, out_shardings=shardings)
+
+    def _state_shardings(self, per_layer: bool):
+        """(``DecodeState`` of shardings, [N, V] logits', the [2] status'): as ``programs._constrain``
+        lays them out (a per-layer cache buffer without the layer axis), kv heads that "tensor" does not
+        divide replicated as ``shd.logical_to_shardings`` fits them."""
+        cfg, mesh, rules = self.cfg, self.mesh, self.rules
+        axes, shape = CACHE_AXES, (cfg.num_layers, self.devices, cfg.num_kv_heads, 1, cfg.head_dim)
+        if per_layer:
+            axes, shape = axes[1:], shape[1:]
+        cache = shd.logical_to_shardings(jax.sharding.PartitionSpec(*axes), mesh, rules,
+                                         shapes=jax.ShapeDtypeStruct(shape, jnp.float32))
+        row = lambda ndim: shd.logical_to_shardings(jax.sharding.PartitionSpec("act_batch", *[None] * (ndim - 1)),
+                                                    mesh, rules)
+        rep = shd.replicated(mesh)
+        state = DecodeState(cache=cache, kv_mask=row(2), prompt_len=row(1), tokens=row(2), logprobs=row(2),
+                            mask=row(2), finished=row(1), rows=row(1), stop_at=row(1), prompt_slots=rep, step=rep)
+        return state, row(2), rep
 
     def sampling_params(self, params):
         """The weights the sampler's programs read, made once per ``generate``: ``params`` in the
