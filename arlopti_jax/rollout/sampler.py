@@ -47,8 +47,11 @@ one per run when it passes ``SamplingConfig.prompt_width`` (``train`` and ``eval
 batch's rows per device, then the powers of two below it down to ``min_rows``); one compact
 per (row bucket above the smallest, phase) met, one grow per (row bucket, phase before the
 last), one scatter per row bucket. Every step from one shape to another is one of these
-programs, so a long run compiles at most about 3 x phases x buckets of them (``Sampler.programs``
-enumerates them; ``python -m arlopti_jax.aot`` compiles them). Memory: a grow holds the old and the new cache at once;
+programs, so a run has at most about 3 x phases x buckets of them: ``Sampler.schedule`` lists them
+all, ``python -m arlopti_jax.aot`` compiles them for a target, and ``train``'s warm-up
+(``rl/warm_up.py``) compiles them before the first step, met or not. Each program's outputs have
+named shardings (``_state_shardings``), so a state reaches a program in one layout whichever program
+made it. Memory: a grow holds the old and the new cache at once;
 growing a cache of r rows from P + e_i to P + 2 e_i slots peaks at r (2 P + 3 e_i) slots,
 1.5x the dense cache when no row has finished by the last phase (``length_aware=False``
 then).
