@@ -6,7 +6,8 @@ batches (``jax.ShapeDtypeStruct``s in the trainer's shardings; nothing is alloca
 lowers and compiles every program one RL step runs:
 
 - rollout: the sampler's prefill, start and decode loop(s), and with ``rollout.length_aware``
-  every compaction, growth and scatter its schedule can reach (``Sampler.programs``);
+  every compaction, growth and scatter its schedule can reach (``Sampler.schedule``, which
+  ``train``'s warm-up compiles too);
 - log-probs: the packed teacher-forced pass (the reference policy's, and pi_old's with
   ``rollout.recompute_old_logprobs``), when the config runs it;
 - update: the gradient accumulator's zeros, the accumulate of a packed micro-batch and the

@@ -102,7 +102,10 @@ def _jitted_init(cfg: ModelConfig, mesh, rules):
     from arlopti_jax.models import policy
 
     init = policy._jitted_init(cfg, mesh, rules)
-    return jax.jit(lambda key: split(init(key))[1])  # the base's initialisation is dead code: never built
+    # the base's initialisation is dead code: never built. The adapters in the train step's shardings,
+    # named: left to the compiler, the same layout came back under other names, and the sampler's
+    # merge compiled again at step 2 for the updated adapters
+    return jax.jit(lambda key: split(init(key))[1], out_shardings=split(policy.param_shardings(cfg, mesh, rules))[1])
 
 
 def init_adapters(cfg: ModelConfig, key, mesh, rules=None) -> dict:

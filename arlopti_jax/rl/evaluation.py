@@ -42,6 +42,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import faults
 from arlopti_jax.tasks import Reward, answer_for, score_rewards
@@ -197,6 +198,34 @@ class Evaluator:
                             if scored.info else {})} for i in range(len(texts))]
         return (*dist.gather(scores, ok, stats), gather_info(scored.info, len(texts)))
 
+    def _rows(self, ds) -> list[dict]:
+        cap = self.config.train.eval_max_prompts
+        return ds.rows if cap < 0 else ds.rows[:cap]
+
+    def _modes(self):
+        """(mode, sampling, samples per prompt, prompts per generate call, prompts it is laid out for)
+        of the greedy and the sampled evaluation."""
+        cfg = self.config
+        cap = cfg.train.batch_prompts * cfg.rollout.n  # responses per generate call
+        largest = max((len(self._rows(ds)) for ds in self.sets.values()), default=0)
+        for mode, sampling, n in (("greedy", self.greedy, 1), ("sampled", self.sampled, cfg.train.eval_n)):
+            per = max(1, cap // n)
+            # every chunk (a test set's last, a smaller test set's) is laid out as a full one: one
+            # prompt-count bucket, one set of sampler programs, for the whole evaluation
+            yield mode, sampling, n, per, min(per, largest)
+
+    def schedules(self, params, key) -> list[list]:
+        """The sampler's programs of ``run(params, key)`` (``Sampler.schedule``), greedy and sampled (none
+        without test sets), at the run's prompt width (``SamplingConfig.prompt_width``, which ``train``
+        sets: every chunk is padded to it): ``params`` abstract (``compiles.abstract``), ``key`` the one
+        ``run`` is given. The chunks' keys are derived as ``run`` derives them, so its key split is
+        compiled here too."""
+        if not self.sets:
+            return []
+        _, sub = jax.random.split(key)
+        return [self.sampler.schedule(params, pad_to, sampling.prompt_width, n, sampling, key=compiles.abstract(sub))
+                for _, sampling, n, _, pad_to in self._modes()]
+
     def run(self, params, key, generations_dir: str | Path | None = None) -> dict[str, float]:
         """Every metric of every test set; with ``generations_dir``, each response too (module
         docstring)."""
@@ -204,20 +233,13 @@ class Evaluator:
 
         cfg = self.config
         out: dict[str, float] = {}
-        cap = cfg.train.batch_prompts * cfg.rollout.n  # responses per generate call
-        limit = lambda ds: ds.rows if cfg.train.eval_max_prompts < 0 else ds.rows[:cfg.train.eval_max_prompts]
-        largest = max((len(limit(ds)) for ds in self.sets.values()), default=0)
         for name, ds in self.sets.items():
-            rows = limit(ds)
+            rows = self._rows(ds)
             records = [] if generations_dir is not None else None
             total = len(rows) * (1 + cfg.train.eval_n)
             bar = tqdm(total=total, desc=f"eval {name}", unit="response", leave=False,
                        disable=jax.process_index() != 0)
-            for mode, sampling, n in (("greedy", self.greedy, 1), ("sampled", self.sampled, cfg.train.eval_n)):
-                per = max(1, cap // n)
-                # every chunk (a test set's last, a smaller test set's) is laid out as a full one: one
-                # prompt-count bucket, one set of sampler programs, for the whole evaluation
-                pad_to = min(per, largest)
+            for mode, sampling, n, per, pad_to in self._modes():
                 scores, correct, stats, infos = [], [], [], []
                 for start in range(0, len(rows), per):
                     key, sub = jax.random.split(key)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arlopti_jax import algos
-from arlopti_jax.rl import resume, run_setup
+from arlopti_jax.rl import resume, run_setup, warm_up
 from arlopti_jax.runtime import compiles, paths
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.store.checkpoint import PreemptionFlag
@@ -153,6 +153,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     n = config.rollout.n
     collect = Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, timer)
     history = {"before": None, "after": None, "reward": [], "eval_settings": evaluator.settings}
+    warm_up.compile_rollouts(run, evaluator, params, jax.random.fold_in(key, start_step))  # before step 1
 
     def evaluate(step):
         with timer("eval"):

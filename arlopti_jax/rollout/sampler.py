@@ -47,8 +47,11 @@ one per run when it passes ``SamplingConfig.prompt_width`` (``train`` and ``eval
 batch's rows per device, then the powers of two below it down to ``min_rows``); one compact
 per (row bucket above the smallest, phase) met, one grow per (row bucket, phase before the
 last), one scatter per row bucket. Every step from one shape to another is one of these
-programs, so a long run compiles at most about 3 x phases x buckets of them (``Sampler.programs``
-enumerates them; ``python -m arlopti_jax.aot`` compiles them). Memory: a grow holds the old and the new cache at once;
+programs, so a run has at most about 3 x phases x buckets of them: ``Sampler.schedule`` lists them
+all, ``python -m arlopti_jax.aot`` compiles them for a target, and ``train``'s warm-up
+(``rl/warm_up.py``) compiles them before the first step, met or not. Each program's outputs have
+named shardings (``_state_shardings``), so a state reaches a program in one layout whichever program
+made it. Memory: a grow holds the old and the new cache at once;
 growing a cache of r rows from P + e_i to P + 2 e_i slots peaks at r (2 P + 3 e_i) slots,
 1.5x the dense cache when no row has finished by the last phase (``length_aware=False``
 then).
@@ -66,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models.config import ModelConfig
@@ -185,16 +189,23 @@ class Sampler:
                            f"{', '.join(split)} axes, and the fused products take whole weights: the decode steps "
                            "use XLA's products (rollout.whole_weights=on or a mesh without those splits keeps them)")
         self.devices = shd.batch_divisor(mesh)
-        self._prefill = jax.jit(functools.partial(programs.prefill, model_cfg))
-        self._start = jax.jit(programs.start, static_argnames=("n", "max_len", "slots", "kernel"))
-        self._decode = jax.jit(functools.partial(programs.decode, model_cfg, devices=self.devices),
-                               static_argnames=("kernel",), donate_argnames=("state",))
-        self._compact = jax.jit(functools.partial(programs.compact, devices=self.devices), static_argnames=("rows",),
-                                donate_argnames=("out",))  # the state's arrays change shape
-        self._grow = jax.jit(programs.grow, static_argnames=("slots",))
-        self._scatter = jax.jit(functools.partial(programs.scatter, devices=self.devices), donate_argnames=("out",))
-        self._cast = None
         per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
+        # every program's outputs in the shardings its constraints give them, named: left to the
+        # compiler, a 1-device mesh's outputs come back as P('tensor', 'fsdp') from one program and
+        # P() from another, the same layout under two names, and the program that reads them compiles
+        # once per name (``schedule`` lists one)
+        state, rows, status = self._state_shardings(per_layer)
+        self._prefill = jax.jit(functools.partial(programs.prefill, model_cfg), out_shardings=(state.cache, rows))
+        self._start = jax.jit(programs.start, static_argnames=("n", "max_len", "slots", "kernel"), out_shardings=state)
+        self._decode = jax.jit(functools.partial(programs.decode, model_cfg, devices=self.devices),
+                               static_argnames=("kernel",), donate_argnames=("state",), out_shardings=(state, status))
+        outputs = {name: getattr(state, name) for name in OUTPUTS}
+        self._compact = jax.jit(functools.partial(programs.compact, devices=self.devices), static_argnames=("rows",),
+                                donate_argnames=("out",), out_shardings=(state, outputs))  # the state changes shape
+        self._grow = jax.jit(programs.grow, static_argnames=("slots",), out_shardings=state)
+        self._scatter = jax.jit(functools.partial(programs.scatter, devices=self.devices), donate_argnames=("out",),
+                                out_shardings=outputs)
+        self._cast = None
         if model_cfg.weight_dtype != model_cfg.compute_dtype or per_layer or self._lora or self.whole_weights:
             from arlopti_jax.models import lora, param_shardings
 
@@ -226,6 +237,23 @@ class Sampler:
                     attn["qkv_bias"] = fused["qkv_bias"]
                 shardings = {**shardings, "layers": ({**one, "attn": attn},) * model_cfg.num_layers}
             self._cast = jax.jit(prepare, out_shardings=shardings)
+
+    def _state_shardings(self, per_layer: bool):
+        """(``DecodeState`` of shardings, [N, V] logits', the [2] status'): as ``programs._constrain``
+        lays them out (a per-layer cache buffer without the layer axis), kv heads that "tensor" does not
+        divide replicated as ``shd.logical_to_shardings`` fits them."""
+        cfg, mesh, rules = self.cfg, self.mesh, self.rules
+        axes, shape = CACHE_AXES, (cfg.num_layers, self.devices, cfg.num_kv_heads, 1, cfg.head_dim)
+        if per_layer:
+            axes, shape = axes[1:], shape[1:]
+        cache = shd.logical_to_shardings(jax.sharding.PartitionSpec(*axes), mesh, rules,
+                                         shapes=jax.ShapeDtypeStruct(shape, jnp.float32))
+        row = lambda ndim: shd.logical_to_shardings(jax.sharding.PartitionSpec("act_batch", *[None] * (ndim - 1)),
+                                                    mesh, rules)
+        rep = shd.replicated(mesh)
+        state = DecodeState(cache=cache, kv_mask=row(2), prompt_len=row(1), tokens=row(2), logprobs=row(2),
+                            mask=row(2), finished=row(1), rows=row(1), stop_at=row(1), prompt_slots=rep, step=rep)
+        return state, row(2), rep
 
     def sampling_params(self, params):
         """The weights the sampler's programs read, made once per ``generate``: ``params`` in the
@@ -384,15 +412,19 @@ class Sampler:
                 out, row_fields(state))
         return Decoded(**final, steps=step, loops=tuple(loops))
 
-    def programs(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig, compile) -> None:
+    def schedule(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig,
+                 key=None) -> list[compiles.Program]:
         """Every program a ``generate`` of ``prompts`` prompts (the global count; the longest
         ``longest`` tokens) x ``n`` samples can run, in the order ``decode`` meets them: the weights'
         cast to the compute dtype (``sampling_params``), prefill,
         start, then one decode loop per (rows per device, cache slots) the schedule can reach,
         with each compaction, growth and final scatter between them (``length_aware``; the
-        dense path is one loop). Each goes to ``compile(name, jitted, *args, **kwargs)`` with
-        abstract arguments (``params`` too: ShapeDtypeStructs with their shardings), which
-        returns its outputs as abstract values. Nothing is allocated (``arlopti_jax.aot``)."""
+        dense path is one loop). Each is a ``compiles.Program`` on abstract arguments: ``params``
+        (ShapeDtypeStructs with their shardings), ``key`` (the generate's key, ``compiles.abstract``;
+        default: one replicated over the mesh), the settings as the host values ``_traced_settings``
+        passes, and each state as the ``compiles.Output`` of the program that makes it. Nothing is
+        allocated. ``programs`` compiles them one after another (``arlopti_jax.aot``),
+        ``compiles.compile_all`` in parallel (``train``'s warm-up)."""
         div = self.devices
         b = batch_rows(prompts, sampling, div)
         p, r = sampling.width(longest), sampling.max_response_len
@@ -401,46 +433,60 @@ class Sampler:
         spec = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         ids, live, stops = (spec((b, p), jnp.int32, rows2), spec((b,), jnp.bool_, rows1),
                             spec((b * n,), jnp.int32, rows1))
-        key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep)
-        eos = eos_width(sampling)
-        temperature, top_p, eos_ids = (spec((), jnp.float32, rep), spec((), jnp.float32, rep),
-                                       spec((eos,), jnp.int32, rep))
-        greedy = spec((), jnp.bool_, rep)  # data: greedy and sampled decoding share these programs
+        key = spec((), jax.eval_shape(lambda: jax.random.key(0)).dtype, rep) if key is None else key
+        # host values, as ``_traced_settings`` passes them: no sharding of their own. greedy is data:
+        # greedy and sampled decoding share these programs
+        temperature, top_p, eos_ids, greedy = (jax.ShapeDtypeStruct(np.shape(v), v.dtype)
+                                               for v in self._traced_settings(sampling))
         ends, kernel = sampling.phase_ends(), sampling.kernel_key
+        out: list[compiles.Program] = []
+
+        def add(name, jitted, *args, **kwargs) -> compiles.Output:
+            out.append(compiles.Program(name, jitted, args, kwargs))
+            return compiles.Output(name)
+
+        weights = params if self._cast is None else add(SAMPLING_WEIGHTS, self._cast, params)
+        prefill = add("prefill", self._prefill, weights, ids, ids)
+        start = add("start", self._start, prefill.part(lambda o: o[0]), prefill.part(lambda o: o[1]), ids, live,
+                    stops, key, temperature, top_p, eos_ids, n=n, max_len=r, slots=p + ends[0], kernel=kernel,
+                    greedy=greedy)
+        first = b * n // div
+        step_args = (key, temperature, top_p, eos_ids, jax.ShapeDtypeStruct((), jnp.int32))
+        if not sampling.length_aware:
+            add(f"decode rows={first} slots={p + r}", self._decode, weights, start, *step_args, kernel=kernel,
+                greedy=greedy)
+            return out
+        # rows per device: the batch's, then the powers of two below it down to min_rows
+        buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length()))
+                             if 1 << i >= sampling.min_rows]
+        full = start.part(lambda s: {name: getattr(s, name) for name in OUTPUTS})
+        states = {(first, 0): start}
+        for phase, end in enumerate(ends):  # as decode meets them: phases up, rows down
+            for i, rows in enumerate(buckets):
+                state = states.get((rows, phase))
+                if state is None:
+                    continue
+                slots = p + end
+                add(f"decode rows={rows} slots={slots}", self._decode, weights, state, *step_args, kernel=kernel,
+                    greedy=greedy)
+                if rows != first and phase == 0:  # the final scatter reads only the rows' outputs
+                    add(f"scatter rows={rows}", self._scatter, full, state.part(row_fields))
+                if i + 1 < len(buckets):  # nothing compacted yet (out None) while the batch is whole
+                    states[(buckets[i + 1], phase)] = add(
+                        f"compact rows={rows} slots={slots}", self._compact, state,
+                        None if rows == first else full, rows=buckets[i + 1]).part(lambda o: o[0])
+                if phase + 1 < len(ends):
+                    states[(rows, phase + 1)] = add(f"grow rows={rows} slots={slots}", self._grow, state,
+                                                    slots=p + ends[phase + 1])
+        return out
+
+    def programs(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig, compile,
+                 key=None) -> None:
+        """``schedule``'s programs, each to ``compile(name, jitted, *args, **kwargs)`` in turn, under
+        the sampler's mesh and rules; ``compile`` returns the program's outputs as abstract values
+        (``arlopti_jax.aot``)."""
         with shd.activate(self.mesh, self.rules):
-            if self._cast is not None:
-                params = compile(SAMPLING_WEIGHTS, self._cast, params)
-            cache, logits = compile("prefill", self._prefill, params, ids, ids)
-            start = compile("start", self._start, cache, logits, ids, live, stops, key, temperature, top_p, eos_ids,
-                            n=n, max_len=r, slots=p + ends[0], kernel=kernel, greedy=greedy)
-            first = b * n // div
-            step_args = (key, temperature, top_p, eos_ids, spec((), jnp.int32, rep))
-            if not sampling.length_aware:
-                compile(f"decode rows={first} slots={p + r}", self._decode, params, start, *step_args, kernel=kernel,
-                        greedy=greedy)
-                return
-            # rows per device: the batch's, then the powers of two below it down to min_rows
-            buckets = [first] + [1 << i for i in reversed(range((first - 1).bit_length()))
-                                 if 1 << i >= sampling.min_rows]
-            full = {name: getattr(start, name) for name in OUTPUTS}
-            states = {(first, 0): start}
-            for phase, end in enumerate(ends):  # as decode meets them: phases up, rows down
-                for i, rows in enumerate(buckets):
-                    state = states.get((rows, phase))
-                    if state is None:
-                        continue
-                    slots = p + end
-                    compile(f"decode rows={rows} slots={slots}", self._decode, params, state, *step_args,
-                            kernel=kernel, greedy=greedy)
-                    if rows != first and phase == 0:  # the final scatter reads only the rows' outputs
-                        compile(f"scatter rows={rows}", self._scatter, full, row_fields(state))
-                    if i + 1 < len(buckets):  # nothing compacted yet (out None) while the batch is whole
-                        states[(buckets[i + 1], phase)], _ = compile(
-                            f"compact rows={rows} slots={slots}", self._compact, state,
-                            None if rows == first else full, rows=buckets[i + 1])
-                    if phase + 1 < len(ends):
-                        states[(rows, phase + 1)] = compile(f"grow rows={rows} slots={slots}", self._grow, state,
-                                                            slots=p + ends[phase + 1])
+            compiles.run_in_order(self.schedule(params, prompts, longest, n, sampling, key), compile)
 
     def generate(self, params, prompts: Sequence[Sequence[int]], n: int, key: Array,
                  sampling: SamplingConfig, stop_at: np.ndarray | None = None, pad_to: int = 0) -> Rollout:

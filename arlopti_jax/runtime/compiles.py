@@ -6,6 +6,8 @@
     log.warm(False)               # the run is over: compiles are quiet again
     log.since(mark)               # the programs after ``mark = len(log.records)``
 
+    compile_all(schedule, ...)    # a warm-up: lists of ``Program``s compiled in parallel threads
+
 A program is one ``backend compile`` of JAX (``/jax/core/compile/backend_compile_duration``): an
 XLA compilation, or a load from the persistent compilation cache, which still costs a lowering.
 Its argument shapes come from the line JAX writes before lowering a jitted function ("Compiling
@@ -17,11 +19,14 @@ shape that was new.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import threading
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -153,3 +158,120 @@ def watch() -> CompileLog:
         _LOG = CompileLog()
         _LOG.install()
     return _LOG
+
+
+# ---- warm-ups: programs compiled ahead of their first call ---------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """An argument of a ``Program``: the outputs of the earlier program ``of`` of its schedule, or the
+    part of them that ``pick`` takes."""
+
+    of: str
+    pick: Callable | None = None
+
+    def part(self, fn: Callable) -> "Output":
+        """The part ``fn`` takes of this argument."""
+        return Output(self.of, fn if self.pick is None else lambda outputs: fn(self.pick(outputs)))
+
+    def resolve(self, outputs: dict):
+        value = outputs[self.of]
+        return value if self.pick is None else self.pick(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """``jitted(*args, **kwargs)``: a ``jax.jit`` function on abstract arguments (``abstract``'s
+    ``ShapeDtypeStruct``s, static values, or ``Output``s of earlier programs of its schedule)."""
+
+    name: str
+    jitted: Any
+    args: tuple
+    kwargs: dict
+
+    def arguments(self, outputs: dict) -> tuple[tuple, dict]:
+        resolve = lambda v: v.resolve(outputs) if isinstance(v, Output) else v
+        return tuple(map(resolve, self.args)), {k: resolve(v) for k, v in self.kwargs.items()}
+
+    def needs(self) -> set[str]:
+        return {v.of for v in (*self.args, *self.kwargs.values()) if isinstance(v, Output)}
+
+
+def abstract(tree):
+    """The abstract values of a tree of arrays as a jitted function sees them: shape, dtype and, for
+    an array committed to its devices, its sharding (an uncommitted one, such as a key made on the
+    default device, has none: a program lowered with that sharding would not be the one its call runs)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding if getattr(x, "committed", False) else None), tree)
+
+
+def outputs_of(lowered, compiled):
+    """A compiled program's outputs as abstract values, in the shardings the compiler chose."""
+    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                        lowered.out_info, compiled.output_shardings)
+
+
+def run_in_order(schedule: Sequence[Program], compile: Callable) -> dict:
+    """``compile(name, jitted, *args, **kwargs)`` (which returns the outputs as abstract values) on each
+    program of ``schedule`` in turn; returns each program's outputs by name (``aot``)."""
+    outputs = {}
+    for program in schedule:
+        args, kwargs = program.arguments(outputs)
+        outputs[program.name] = compile(program.name, program.jitted, *args, **kwargs)
+    return outputs
+
+
+def _signature(program: Program, args: tuple, kwargs: dict) -> tuple:
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    return (id(program.jitted), tree, tuple(leaves))
+
+
+def compile_all(*schedules: Sequence[Program], context: Callable = contextlib.nullcontext,
+                threads: int | None = None) -> list[dict]:
+    """Compile every program of ``schedules`` (lists of ``Program``s whose ``Output``s name programs of
+    the same list), each once, however many schedules list it; returns each schedule's outputs by name.
+
+    A program is lowered on this thread, inside ``context()`` (the mesh and logical axis rules its
+    calls run under, which are this thread's), once the programs it reads have compiled (its
+    arguments' shardings are the ones they compiled to), and compiled on one of ``threads`` threads
+    (default: one per CPU; XLA compiles outside Python's lock), or loaded from the persistent
+    compilation cache. JAX's caches then hold the executable: a later call of ``jitted`` on arrays of
+    those shapes and shardings (committed ones; ``abstract``), under the same context, runs it without
+    compiling. Each compilation is in this process's log (``watch``), named by its shapes."""
+    log = watch()
+    outputs: list[dict] = [{} for _ in schedules]
+    waiting = [(i, p) for i, schedule in enumerate(schedules) for p in schedule]
+    running: dict[concurrent.futures.Future, list[tuple[int, str]]] = {}
+    by_signature: dict[tuple, concurrent.futures.Future] = {}
+
+    def compile_one(lowered, shapes: str):
+        with log.compiling(shapes):  # compiled on another thread, in any order: named by its shapes
+            return outputs_of(lowered, lowered.compile())
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads or os.cpu_count() or 1)) as pool:
+        while waiting or running:
+            ready = [(i, p) for i, p in waiting if p.needs() <= outputs[i].keys()]
+            waiting = [item for item in waiting if item not in ready]
+            for i, program in ready:
+                args, kwargs = program.arguments(outputs[i])
+                signature = _signature(program, args, kwargs)
+                future = by_signature.get(signature)
+                if future is None:  # a program no schedule has listed yet
+                    with context():
+                        lowered = program.jitted.lower(*args, **kwargs)
+                    future = pool.submit(compile_one, lowered, log.lowered(f"jit({program.jitted.__name__})"))
+                    by_signature[signature], running[future] = future, []
+                if future in running:
+                    running[future].append((i, program.name))
+                else:
+                    outputs[i][program.name] = future.result()
+            if not running:
+                if waiting:
+                    missing = sorted({o for i, p in waiting for o in p.needs() - outputs[i].keys()})
+                    raise ValueError(f"compile_all: programs read the outputs of {missing}, which none lists first")
+                break
+            done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                for i, name in running.pop(future):
+                    outputs[i][name] = future.result()
+    return outputs

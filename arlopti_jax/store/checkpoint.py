@@ -31,6 +31,19 @@ from arlopti_jax.runtime import faults, paths
 
 log = logging.getLogger(__name__)
 
+# A replicated array (a norm's weights over fsdp, every weight over mesh.data) is written by one
+# replica, not in slices by each: orbax's slicing compiles a program per array and replica at the
+# first save (32 for the test model on 8 devices), after the run's warm-up (rl/warm_up.py). Orbax
+# already writes so on GPUs; the arrays replicated under the fsdp layouts are small. Orbax warns of
+# every override of its registry (through absl's logger): this one is meant, so not at start-up.
+_absl, _level = logging.getLogger("absl"), logging.getLogger("absl").level
+_absl.setLevel(logging.ERROR)
+try:
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                                            override=True)
+finally:
+    _absl.setLevel(_level)
+
 
 class CheckpointMismatch(ValueError):
     """A checkpoint whose arrays differ in structure, shape or dtype from what the run expects."""

@@ -325,7 +325,7 @@ def test_training_with_shared_prefix_equals_unshared(start_point, tmp_path):
     and on, with TR weights, Lopti, the KL's reference pass, the pi_old recompute, DAPO filtering,
     the overlong penalty and the diagnostics (quartile gradients, the isolation experiment): the
     same logged metrics each step to float32 rounding, and fewer tokens forwarded by the update."""
-    from run_fixtures import TIMING, make_config, overrides, step_metrics
+    from run_fixtures import TIMING, assert_nothing_compiled_late, make_config, overrides, step_metrics
 
     from arlopti_jax.train import train
 
@@ -335,7 +335,8 @@ def test_training_with_shared_prefix_equals_unshared(start_point, tmp_path):
     runs = {}
     for shared in (False, True):
         run_dir = tmp_path / f"shared_{shared}"
-        train(make_config(overrides(start_point, run_dir, **values, **{"train.shared_prefix": shared})))
+        assert_nothing_compiled_late(train(make_config(overrides(start_point, run_dir, **values,
+                                                                 **{"train.shared_prefix": shared}))))
         runs[shared] = step_metrics(run_dir)
     assert set(runs[True]) == set(runs[False]) == {1, 2, 3}
     for step, want in runs[False].items():

@@ -34,6 +34,13 @@ def make_config(values: dict):
     return c
 
 
+def assert_nothing_compiled_late(summary: dict) -> None:
+    """The run compiled nothing after its first step (``train``'s warm-up compiled every program it
+    met later; each late one is also logged as a warning naming it)."""
+    programs, _, late = summary["compile"]
+    assert late == 0, f"{late} of the run's {programs} programs compiled after the first step"
+
+
 def cli(values: dict) -> list[str]:
     flag = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v
     return [sys.executable, "-m", "arlopti_jax.train"] + [f"--config.{k}={flag(v)}" for k, v in values.items()]

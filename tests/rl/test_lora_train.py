@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from run_fixtures import kill_after_checkpoint, make_config, overrides, step_metrics
+from run_fixtures import assert_nothing_compiled_late, kill_after_checkpoint, make_config, overrides, step_metrics
 
 from arlopti_jax import export
 from arlopti_jax.models import load_params, load_pretrained, logits, lora
@@ -35,6 +35,7 @@ def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path, capsys, cap
     assert not summary["preempted"]
     late = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
     assert not [m for m in late if "merge" in m], late  # the end's merge is the export's, not a late compile
+    assert_nothing_compiled_late(summary)  # the sampler's merged weights included (warm-up)
 
     config = make_config(values)
     mesh = run_setup.make_mesh(config)
@@ -128,7 +129,7 @@ def test_a_killed_lora_run_resumes_to_the_uninterrupted_one(start_point, tmp_pat
     want = step_metrics(tmp_path / "a")
     values = overrides(start_point, tmp_path / "b", **LORA)
     kill_after_checkpoint(values)
-    train(make_config({**values, "resume": "auto"}))
+    assert_nothing_compiled_late(train(make_config({**values, "resume": "auto"})))
     got = step_metrics(tmp_path / "b")
     assert set(got) == set(want) == {1, 2, 3, 4}
     for step in want:

@@ -18,8 +18,8 @@ from arlopti_jax.runtime import compiles
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.train import train
 
-from run_fixtures import (TIMING, cli, kill_after_checkpoint, make_config, overrides, step_metrics,  # noqa: F401
-                          wait_for)
+from run_fixtures import (TIMING, assert_nothing_compiled_late, cli, kill_after_checkpoint,  # noqa: F401
+                          make_config, overrides, step_metrics, wait_for)
 
 
 @pytest.mark.slow  # end to end, about a minute on 2 cores; CI runs the slow tests
@@ -36,11 +36,12 @@ def test_kill_then_resume_equals_uninterrupted(start_point, tmp_path):
     assert want[1]["update/epoch2/low/ppo_kl"] != want[1]["update/epoch1/low/ppo_kl"]
     assert "quartile/q1_mean_prob" in want[1]
     assert not compiles.watch().is_warm  # the warm-up ended with the run: a later one in this process warms up again
+    assert_nothing_compiled_late(summary)
 
     # B: a separate process, SIGKILLed once checkpoint 2 is complete, then resume=auto
     values = overrides(start_point, tmp_path / "b", **{"train.ppo_epochs": 2})
     kill_after_checkpoint(values)
-    train(make_config({**values, "resume": "auto"}))
+    assert_nothing_compiled_late(train(make_config({**values, "resume": "auto"})))  # its first evaluation at step 4
     got = step_metrics(tmp_path / "b")
     for step in (1, 2, 3, 4):
         assert got[step] == want[step], f"step {step} differs after resume"
@@ -59,7 +60,7 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
         "data.max_prompt_length": 128,  # one prompt-length bucket: fewer compilations
         "data.test_files": str(start_point / "data" / "test_2ppl.parquet"), "train.eval_every": 4,
         "train.eval_n": 4, "train.eval_ks": (1, 2, 4), "train.eval_temperature": 0.9, "train.eval_max_prompts": 4})
-    train(make_config(values))  # A: uninterrupted, in this process
+    assert_nothing_compiled_late(train(make_config(values)))  # A: uninterrupted, in this process
     out = capsys.readouterr().out
     want = step_metrics(tmp_path / "a")
     assert set(want) == {0, 1, 2, 3, 4}
@@ -91,7 +92,7 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "helpers"),
                                                         os.environ.get("PYTHONPATH", "")])}
     kill_after_checkpoint(values, env=env)
-    train(make_config({**values, "resume": "auto"}))
+    assert_nothing_compiled_late(train(make_config({**values, "resume": "auto"})))
     got = step_metrics(tmp_path / "b")
     for step in (0, 1, 2, 3, 4):
         assert got[step] == want[step], f"step {step} differs after resume"

@@ -172,6 +172,36 @@ def test_compiled_programs_stay_within_the_buckets(policy):
     assert sampler._prefill._cache_size() == 1
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu_layout"])
+def test_the_schedule_compiled_ahead_is_what_every_generate_runs(policy, gpu, monkeypatch):
+    """``Sampler.schedule`` compiled by ``compiles.compile_all`` on one device (where a layout the
+    compiler leaves unnamed comes back under several names), with the GPU's per-layer cache too: then
+    generates whose responses end early, late, or never, through every compaction and growth they
+    meet, compile nothing."""
+    from arlopti_jax.rollout import programs
+    from arlopti_jax.runtime import compiles
+
+    if gpu:
+        monkeypatch.setattr(programs, "per_layer_cache", lambda platform=None: True)
+    cfg, params, _ = policy
+    sampler = Sampler(cfg, policy[2].mesh)
+    sampling = _config(True, temperature=0.9, phase_tokens=8, min_rows=4)  # 16, 8, 4 rows; 8 and 16 slots
+    keys = [jax.random.key(seed) for seed in range(3)]
+    rng = np.random.default_rng(1)
+    stops = [STOPS, np.full(len(STOPS), 99), rng.integers(1, 10, size=len(STOPS))]
+    schedule = sampler.schedule(compiles.abstract(params), len(PROMPTS), max(map(len, PROMPTS)), N, sampling,
+                                key=compiles.abstract(keys[0]))
+    assert sum(p.name.startswith("decode") for p in schedule) == 3 * 2
+    log = compiles.watch()
+    compiles.compile_all(schedule, context=lambda: shd.activate(sampler.mesh, sampler.rules))
+    mark = log.programs
+    loops = set()
+    for key, stop_at in zip(keys, stops):
+        loops.update(sampler.generate(params, PROMPTS, N, key, sampling, stop_at=stop_at).decode_loops)
+    assert not log.since(mark), [(r.name, r.shapes[:160]) for r in log.since(mark)]
+    assert {rows for rows, _, _ in loops} == {16, 8, 4} and len({slots for _, slots, _ in loops}) == 2
+
+
 def test_phase_ends_and_invalid_stop_at(policy):
     ends = lambda r, **kw: SamplingConfig(max_response_len=r, **kw).phase_ends()
     assert ends(4096) == (1024, 2048, 4096) and ends(1000) == (256, 512, 1000)  # R / 4, doubling

@@ -62,3 +62,39 @@ def test_programs_compiled_on_threads_keep_their_own_shapes():
         list(pool.map(compile_one, lowered[::-1]))
     got = [compiles._split(r.shapes)[0] for r in log.since(mark) if r.name == "jit(pad_rows)"]
     assert got == [f"float32[{n}]" for n in (8, 7, 6, 5)]
+
+
+def test_compile_all_compiles_each_listed_program_once_and_the_calls_after_compile_nothing():
+    """Two schedules, one program listed by both, one reading another's outputs: each program
+    compiles once, from the outputs' shardings its input was compiled to, and the same calls on
+    arrays (a committed one, an uncommitted host value) then run without compiling."""
+    import numpy as np
+    import pytest
+
+    from arlopti_jax.runtime import sharding as shd
+
+    log = compiles.watch()
+    rows = shd.batch_sharding(shd.make_mesh({"fsdp": 8}), 2)
+
+    def widen_rows(x, scale):
+        return jnp.concatenate([x, x * scale], axis=1)
+
+    widen = jax.jit(widen_rows)
+    x = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), rows)
+    scale = np.float32(3)  # a host value: no sharding of its own, as the sampler's settings
+    spec_x, spec_scale = compiles.abstract((x, scale))
+    assert spec_x.sharding == rows and spec_scale.sharding is None
+    first = compiles.Program("first", widen, (spec_x, spec_scale), {})
+    again = compiles.Program("again", widen, (compiles.Output("first"), spec_scale), {})
+    mark = log.programs
+    a, b = compiles.compile_all([first, again], [compiles.Program("same", widen, (spec_x, spec_scale), {})],
+                                threads=2)
+    assert a["again"].shape == (8, 8) and b["same"].shape == a["first"].shape == (8, 4)
+    shapes = sorted(compiles._split(r.shapes)[0] for r in log.since(mark) if r.name == "jit(widen_rows)")
+    assert shapes == ["float32[8,2]", "float32[8,4]"]  # "same" is "first": compiled once
+    mark = log.programs
+    out = widen(widen(x, scale), scale)
+    assert not log.since(mark)
+    np.testing.assert_array_equal(np.asarray(out)[:, 6:], np.asarray(x) * 9)
+    with pytest.raises(ValueError, match="'missing'"):
+        compiles.compile_all([compiles.Program("reads", widen, (compiles.Output("missing"), spec_scale), {})])

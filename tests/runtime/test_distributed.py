@@ -19,7 +19,7 @@ from arlopti_jax.rl import run_setup
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.config import ConfigError, base_config
 from arlopti_jax.train import train
-from run_fixtures import make_config, overrides, step_metrics
+from run_fixtures import assert_nothing_compiled_late, make_config, overrides, step_metrics
 from two_processes import launch_two, logs_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_two_processes_reproduce_one_process(start_point, tmp_path):
         # gradient norms are gathered / computed on global arrays
         "algo.filter_groups": True, "algo.max_sample_rounds": 2, "train.diagnostics_every": 1,
         "train.eval_n": 2, "train.eval_ks": (1, 2)})
-    train(make_config(values))  # 1 process x 8 devices (tests/conftest.py)
+    assert_nothing_compiled_late(train(make_config(values)))  # 1 process x 8 devices (tests/conftest.py)
 
     two = tmp_path / "two"
     flags = [f"--config.{k}={v}" for k, v in {**values, "run_dir": str(two)}.items()]

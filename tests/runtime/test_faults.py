@@ -20,7 +20,7 @@ import pytest
 from arlopti_jax.runtime import faults
 from arlopti_jax.rl.evaluation import trim_jsonl
 from arlopti_jax.train import train
-from run_fixtures import TIMING, cli, make_config, overrides
+from run_fixtures import TIMING, assert_nothing_compiled_late, cli, make_config, overrides
 from two_processes import launch_two
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ def test_one_process_killed_at_a_write_resumes_exactly(fault, start_point, unint
                             timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert ONE_PROCESS[fault](tmp_path / "run"), f"{fault}: the crash did not leave what it should"
-    train(make_config({**values, "resume": "auto"}))
+    assert_nothing_compiled_late(train(make_config({**values, "resume": "auto"})))
     assert_same(records(tmp_path / "run"), uninterrupted, fault)
 
 
@@ -142,7 +142,7 @@ def test_a_stop_signal_at_an_evaluation_step_leaves_the_evaluation_to_the_resume
     assert proc.returncode == 0 and "received SIGTERM: saved checkpoint 2" in proc.stdout + proc.stderr, \
         proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (tmp_path / "run" / "eval.jsonl").exists()  # step 2's evaluation was not run
-    train(make_config({**values, "resume": "auto"}))
+    assert_nothing_compiled_late(train(make_config({**values, "resume": "auto"})))
     reference = run_values(start_point, tmp_path / "reference", **{"train.eval_before": False})
     train(make_config(reference))
     assert_same(records(tmp_path / "run"), records(tmp_path / "reference"), "stop at step 2")

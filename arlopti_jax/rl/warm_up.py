@@ -1,0 +1,46 @@
+"""The run's warm-up: every program its rollouts and evaluations can reach, compiled before step 1.
+
+The sampler compiles a program per shape it meets, and the length-aware schedule meets them as the
+responses end: a row bucket or a phase first reached at step 40 would compile there, inside that
+step's rollout time, and an evaluation first run at step 20 (``train.eval_before=False``, or a
+resumed run) would compile its own programs there. ``compile_rollouts`` compiles the whole set
+instead, before the first step: the training rollout's ``Sampler.schedule`` (every row bucket and
+phase the schedule can visit; ``algo.filter_groups``'s further rounds draw batches of the same
+shapes) and the evaluation's (``Evaluator.schedules``: greedy, and sampled at
+``train.eval_temperature``, which share the training rollout's programs wherever their shapes
+agree), each program once, in parallel threads, from the persistent compilation cache where it is
+there (``compiles.compile_all``). The packed log-prob and update passes compile whole with the
+first batch (``algos.PackedPrograms``), so after the first step nothing compiles: ``train`` logs any
+program compiled later as a warning, and its summary counts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from arlopti_jax.runtime import compiles
+from arlopti_jax.runtime import sharding as shd
+
+log = logging.getLogger("arlopti_jax.train")
+
+
+def compile_rollouts(run, evaluator, params, key) -> int:
+    """Compile the sampler's programs of ``run``'s rollouts and of ``evaluator``'s evaluations for
+    ``params`` (the trainer's arrays: their shapes and shardings) and ``key`` (a key made as the
+    steps' and the evaluations' are, ``fold_in`` of the run's key: its sharding is theirs). Returns
+    how many programs were compiled or loaded from the persistent cache (none when this process has
+    compiled them already)."""
+    c = run.config
+    params = compiles.abstract(params)
+    sampling = run.sampling()
+    schedules = [run.sampler.schedule(params, c.train.batch_prompts, sampling.prompt_width, c.rollout.n, sampling,
+                                      key=compiles.abstract(key))]
+    schedules += evaluator.schedules(params, key)
+    compile_log = compiles.watch()
+    mark, started = compile_log.programs, time.perf_counter()
+    compiles.compile_all(*schedules, context=lambda: shd.activate(run.sampler.mesh, run.sampler.rules))
+    count = compile_log.programs - mark
+    log.info("warm-up: %d sampler programs compiled or loaded (%d listed by the rollouts and evaluations) in "
+             "%.1f s", count, sum(map(len, schedules)), time.perf_counter() - started)
+    return count
