@@ -173,9 +173,14 @@ FIELD_DOCS = {
                       "still runs in one worker process, the only place `reward.timeout_s` can stop it",
     "reward.timeout_s": "per-response scoring time limit, seconds: a scoring call that overruns it is stopped and "
                         "the response scores 0, as when scoring raises",
-    "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices)",
+    "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices; of one slice's over several "
+                 "TPU slices, see mesh.dcn_data)",
     "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",
     "mesh.tensor": "tensor-parallel mesh axis size (-1 = the rest)",
+    "mesh.dcn_data": "a job over several TPU slices (multislice): mesh.data, fsdp and tensor lay out one slice, and "
+                     "the data axis repeats it over this many slices across the data-center network (-1 = every "
+                     "slice; it must divide the slice count; the other slices extend fsdp, whose weight gathers "
+                     "then cross slices); one slice: 1 or -1",
     "distributed.coordinator": "`host:port` of process 0; `\"\"` = from SLURM, or a single process; `auto` = "
                                "JAX's detection (Cloud TPU)",
     "distributed.num_processes": "process count (0 = from SLURM or JAX)",
