@@ -157,7 +157,9 @@ def process_contiguous(mesh: Mesh) -> Mesh:
     if processes == 1 or _rows_contiguous(mesh):
         return mesh
     grid = mesh.devices.copy()
-    slice_of = np.vectorize(lambda d: getattr(d, "slice_index", 0), otypes=[int])(grid)
+    slice_of = np.zeros(grid.shape, int)
+    if shd.slice_count(list(grid.flat)) > 1:  # TPU slices (a GPU's slice_index, its host, is no block here)
+        slice_of = np.vectorize(lambda d: d.slice_index, otypes=[int])(grid)
     for index in np.unique(slice_of):
         where = slice_of == index  # one slice's positions, in the mesh's order
         grid[where] = np.array(sorted(grid[where], key=lambda d: d.process_index), dtype=object)  # stable sort

@@ -94,8 +94,11 @@ def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int) -> dict[str, 
 
 
 def slice_count(devices: Sequence[jax.Device]) -> int:
-    """The slices (ICI-connected groups of TPU chips) ``devices`` span: their distinct
-    ``slice_index``; 1 where devices carry none (CPUs, GPUs)."""
+    """The TPU slices (ICI-connected groups of chips) ``devices`` span: their distinct
+    ``slice_index``; 1 where devices carry none (CPUs) and on GPUs, whose ``slice_index`` names a
+    host's NVLink domain: there the mesh fields lay out the whole job, as they always have."""
+    if not devices or devices[0].platform == "gpu":
+        return 1
     return len({getattr(d, "slice_index", 0) for d in devices})
 
 
@@ -134,6 +137,8 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     if slices > 1:
         return Mesh(hybrid_devices(devices, ici, dcn), MESH_AXES, axis_types=auto)
     dims = tuple(ici[a] for a in MESH_AXES)
+    if devices[0].platform == "gpu":  # jax.make_mesh's order (by id), without its refusal of several hosts
+        return Mesh(mesh_utils.create_device_mesh(dims, devices), MESH_AXES, axis_types=auto)
     if devices == list(jax.devices()) or devices[0].platform != "cpu":  # topology-aware order (TPU rings)
         return jax.make_mesh(dims, MESH_AXES, axis_types=auto, devices=devices)
     return Mesh(np.asarray(devices).reshape(dims), MESH_AXES, axis_types=auto)

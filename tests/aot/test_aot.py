@@ -287,6 +287,19 @@ def test_two_slices_of_a_named_tpu_target_make_one_mesh_over_the_data_axis():
         targets.get("0xv5e-8")
 
 
+def test_an_h100_node_is_laid_out_as_jax_make_mesh_lays_it_out():
+    """GPUs keep JAX's own order (by id) for every layout; make_mesh builds it without
+    jax.make_mesh, which refuses GPUs of several hosts (tests/runtime/test_multislice.py)."""
+    import jax
+
+    from arlopti_jax.runtime import sharding as shd
+
+    gpus = list(targets.devices(targets.get("h100x8")))
+    for shape in ({"fsdp": 8}, {"fsdp": 1, "tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
+        want = jax.make_mesh(tuple(shd.resolve_mesh_shape(shape, 8).values()), shd.MESH_AXES, devices=gpus)
+        assert list(shd.make_mesh(shape, devices=gpus).devices.flat) == list(want.devices.flat)
+
+
 @pytest.mark.slow
 def test_one_rl_step_compiles_for_two_slices():
     """Every program of the small config's step for two v5e-8 slices (data=2 across them, fsdp=8

@@ -120,3 +120,16 @@ def test_processes_get_whole_rows_without_leaving_their_slice():
     ids = np.vectorize(lambda d: d.id)(fixed.devices)
     assert ids.reshape(2, 4).tolist() == [[0, 2, 1, 3], [4, 6, 5, 7]]
     assert dist._rows_contiguous(fixed)
+
+
+def test_gpu_hosts_are_not_slices_and_keep_the_whole_job_layout():
+    """A GPU's slice_index names its host (NVLink domain): two 4-GPU hosts are one job laid out by
+    the mesh fields whole, in JAX's GPU order (by id), which jax.make_mesh itself refuses."""
+    gpus = [SliceDevice(i, i // 4, process_index=i // 4, platform="gpu") for i in (5, 0, 7, 2, 1, 6, 3, 4)]
+    assert shd.slice_count(gpus) == 1
+    mesh = shd.make_mesh({"data": 2, "fsdp": -1}, devices=gpus)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert [d.id for d in mesh.devices.flat] == list(range(8))
+    assert dist.process_contiguous(mesh) is mesh  # host h holds rows block h
+    with pytest.raises(ValueError, match="does not support multi-slice"):
+        jax.make_mesh((2, 4, 1), shd.MESH_AXES, devices=gpus)
