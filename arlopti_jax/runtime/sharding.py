@@ -12,14 +12,15 @@ parallel layout is a change of ``mesh_shape`` or of the rules, never of model co
 A job over several TPU slices (multislice: ICI inside a slice, the data-center network, DCN,
 between them) lays each slice out as ``mesh_shape`` says and repeats it over the slices along
 ``data`` (``dcn_data`` of them) and then ``fsdp`` (the rest), as MaxText's dcn_*_parallelism
-does: the batch crosses DCN, the weights' gathers and tensor parallelism stay inside a slice.
+does. With the data axis over every slice (the default) the batch crosses DCN, and the weights'
+gathers and tensor parallelism stay inside a slice.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
-import collections
 import math
 from typing import Any, Mapping, Sequence
 
