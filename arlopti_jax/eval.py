@@ -22,6 +22,7 @@ import jax
 
 from arlopti_jax.runtime import chips, paths
 from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import lora
 from arlopti_jax.rl import resume, run_setup
 from arlopti_jax.config.cli import Command, startup_done
@@ -74,7 +75,7 @@ def main(argv) -> int:
     try:
         dist.initialize(config)  # several processes: every one runs this command
         chips.print_backend()
-        validate(config, jax.device_count(), jax.default_backend())
+        validate(config, jax.device_count(), jax.default_backend(), shd.slice_count(jax.devices()))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import jax
 
 from arlopti_jax.runtime import chips
 from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.rl import run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
@@ -51,7 +52,7 @@ def main(argv) -> int:
         if jax.process_index() != 0:  # process 0 alone prints
             logging.getLogger().setLevel(logging.WARNING)
         chips.print_backend()  # what it runs on, before anything is built
-        validate(config, jax.device_count(), jax.default_backend())
+        validate(config, jax.device_count(), jax.default_backend(), shd.slice_count(jax.devices()))
         dist.validate(config, run_setup.make_mesh(config))
         # a missing path, a resume setting run_dir contradicts, unreadable data or a training set that
         # cannot fill one batch stops here, in one line

@@ -34,6 +34,9 @@ compile math v5p-8 "--config=configs/math.py:grpo_ar_lopti"
 # the other named topologies, fsdp over every chip, one sequence per chip per micro-batch
 compile kk3b v4-32 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.micro_batch=16
 compile kk3b v5e-256 "--config=configs/kk.py:3b,grpo_ar_lopti" --config.mesh.fsdp=-1 --config.train.micro_batch=256
+# multislice (issue 65): two v5e-16 slices over the data-center network, each laid out as v5e16.py's 3B (fsdp=16),
+# the data axis across the slices (mesh.dcn_data=-1: every slice), the same global batch, one sequence per chip
+compile kk3b 2xv5e-16 "--config=configs/layouts/v5e16.py:3b,grpo_ar_lopti" --config.train.micro_batch=32
 # LoRA (issue 47): Qwen2.5-7B on ONE H100 with a bfloat16 base, float32 adapters of rank 16 on every projection,
 # 8 prompts x 8 responses (64 rows) per step, beside full fine-tuning of the same step (float32 master weights);
 # and 3B on a v5e-8 with a bfloat16 base, 32 prompts x 8 responses per step (docs/reference/memory.md, LoRA)

@@ -22,9 +22,10 @@ much, what to change), 2 on a bad command line or config. Every figure is the co
 the real target, not a measurement of a run.
 
 Targets: v5e-1, v5e-8, v5e-16, v5e-256, v5p-8, v5p-64, v4-32 (multi-host slices as their pods run
-them: one process per host), h100, h100x8 (one node), and ``local``: this machine's own devices
-(the CPU, or a lent GPU), compiled through the persistent compilation cache. Needs
-``pip install -e ".[aot]"``.
+them: one process per host), ``NxNAME`` (N of those slices joined by the data-center network, a
+multislice job: ``2xv5e-16``; collectives between slices are listed as ``dcn all-reduce``, ...),
+h100, h100x8 (one node), and ``local``: this machine's own devices (the CPU, or a lent GPU),
+compiled through the persistent compilation cache. Needs ``pip install -e ".[aot]"``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from arlopti_jax.config import DEFAULT_CONFIG, ConfigError  # noqa: E402
 
 COMMAND = Command(
     name="arlopti_jax.aot", doc=__doc__, default_file=DEFAULT_CONFIG,
-    flags=(("--target=NAME[,NAME...]", f"compile-only targets: {', '.join(targets.TARGETS)}; or local (this "
-            "machine's devices: compile times here, through the persistent compilation cache)"),
+    flags=(("--target=NAME[,NAME...]", f"compile-only targets: {', '.join(targets.TARGETS)}; NxNAME (N TPU "
+            "slices, multislice: 2xv5e-16); or local (this machine's devices: compile times here, through the "
+            "persistent compilation cache)"),
            ("--json=PATH", "also write the records (one per target) as JSON"),
            ("--eval", "also compile the evaluation's sampler programs (greedy and sampled)"),
            ("--all-shapes", "the packed passes for every shape of the run's set, as train compiles them (the "
@@ -61,7 +63,9 @@ def format_record(record: dict) -> str:
     gib = lambda b: f"{b / targets.GIB:7.2f}"
     lines = [f"{record['target_label']}: {record['model']}, {record['model_params'] / 1e9:.2f}B parameters, mesh "
              + " x ".join(f"{k}={v}" for k, v in record["mesh"].items() if v > 1 or k == "fsdp")
-             + f", {record['processes']} process(es), jax {record['jax']}",
+             + f", {record['processes']} process(es)"
+             + (f" over {record['slices']} slices (data across slices: dcn_data={record['dcn_data']})"
+                if record.get("slices", 1) > 1 else "") + f", jax {record['jax']}",
              f"{'program':40s} {'compile s':>9s} {'args':>7s} {'out':>7s} {'temp':>7s} {'alias':>7s} {'peak':>7s} "
              f"{'TFLOP':>8s} {'GB read+written':>15s} {'estimate ms':>11s}  collectives (count, GB)"]
     for p in record["programs"]:

@@ -260,7 +260,8 @@ def prepare(config, target: Target):
     from arlopti_jax.config import validate
 
     devices = targets.devices(target)
-    validate(config, len(devices), target.platform)  # cuDNN attention for an H100 compiles here
+    # the target's platform: cuDNN attention for an H100 compiles here
+    validate(config, len(devices), target.platform, shd.slice_count(devices))
     mesh = run_setup.make_mesh(config, devices=list(devices))
     dist.validate(config, mesh)
     return mesh, model_shape(config)
@@ -337,6 +338,7 @@ def report(config, target: Target, run, programs: list[Program], resident: int, 
     peak = max(programs, key=lambda p: p.peak)
     usable = int(target.hbm_bytes * HEADROOM)
     c = config
+    slices = shd.slice_count(run.mesh.devices.flat)
     return {
         "target": target.name,
         "target_label": target.label,
@@ -346,6 +348,8 @@ def report(config, target: Target, run, programs: list[Program], resident: int, 
         "model_params": run.model_cfg.num_params(),
         "mesh": {k: int(v) for k, v in run.mesh.shape.items()},
         "processes": len({d.process_index for d in run.mesh.devices.flat}),
+        "slices": slices,
+        "dcn_data": shd.resolve_layout(dict(c.mesh), run.mesh.devices.size, slices)[1]["data"],
         "batch": {"prompts": c.train.batch_prompts, "n": c.rollout.n,
                   "prompt_slots": run.sampling().width(run.prompt_width or c.data.max_prompt_length),
                   "response": c.rollout.max_response_length, "mini_batch": c.train.mini_batch,

@@ -296,11 +296,28 @@ class Module:
             elif inst.opcode in ("call", "conditional") and (inst.attr("to_apply") or "") in self.comps:
                 self.collectives(inst.attr("to_apply"), times, out)
             else:
-                kind = next((k for k in COLLECTIVES if inst.opcode in (k, f"{k}-start")), None)
+                kind = next((k for k in COLLECTIVES if inst.opcode in (k, f"{k}-start")), None) or dcn_kind(inst)
                 if kind:
-                    out[kind]["count"] += times
-                    out[kind]["bytes"] += times * _result_bytes(inst)
+                    slot = out.setdefault(kind, {"count": 0, "bytes": 0.0})
+                    slot["count"] += times
+                    slot["bytes"] += times * (_result_bytes(inst) if kind in COLLECTIVES else _first_array_bytes(inst))
         return out
+
+
+def dcn_kind(inst: Instruction) -> str | None:
+    """``"dcn all-reduce"`` (``dcn all-gather``, ...) for the receiving half of a collective between
+    TPU slices: XLA:TPU lowers one to a host-transfer ``send``/``recv`` pair that the megascale
+    runtime carries over the data-center network; the payload is the first array of the
+    ``recv``'s result (a u32 context and a token follow it). Else None."""
+    if inst.opcode != "recv" or "xla_megascale_runtime" not in inst.attrs:
+        return None
+    m = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.attrs)
+    return "dcn " + (m.group(1).lower().replace("_", "-") if m else "transfer")
+
+
+def _first_array_bytes(inst: Instruction) -> float:
+    m = _ARRAY.search(inst.shape)
+    return shape_bytes(m.group(0)) if m else 0.0
 
 
 def _elements(shape: str) -> int:

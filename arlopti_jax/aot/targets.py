@@ -8,7 +8,9 @@ and the compiled program reports its real memory, cost and optimized HLO. Instal
 ``pip install -e ".[aot]"``.
 
 Each target carries the chip's public figures (HBM capacity and bandwidth, dense bf16 peak),
-which turn the compiler's bytes and flops into fit, roofline and MFU figures.
+which turn the compiler's bytes and flops into fit, roofline and MFU figures. ``2xv5e-16`` (any
+``N x`` a named TPU slice) is N such slices joined by the data-center network (multislice):
+libtpu's compile-only topology gives each device its ``slice_index``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from pathlib import Path
 
 GIB = 1 << 30
@@ -24,7 +27,7 @@ SPECS = Path(__file__).with_name("h100_sxm.txtpb")
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A compile-only slice: ``chips`` devices on ``hosts`` hosts (processes)."""
+    """A compile-only slice (or ``slices`` of them): ``chips`` devices on ``hosts`` hosts (processes), in all."""
 
     name: str
     platform: str  # "tpu" | "gpu"
@@ -36,10 +39,12 @@ class Target:
     peak_flops: float  # dense bfloat16, per chip
     chips_per_host: tuple[int, int, int] = (2, 2, 1)  # TPU host bounds
     chip_config: str = "default"  # libtpu's chip config: "megacore" makes a v4 chip's two cores one device
+    slices: int = 1  # TPU slices joined by the data-center network (multislice)
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({self.chips} x {self.hbm_bytes / GIB:.0f} GiB, {self.hosts} host(s))"
+        over = f", {self.slices} slices" if self.slices > 1 else ""
+        return f"{self.name} ({self.chips} x {self.hbm_bytes / GIB:.0f} GiB, {self.hosts} host(s){over})"
 
 
 # Public figures: v5e 16 GiB at 819 GB/s and 197 TFLOP/s; v5p 95 GiB at 2765 GB/s and 459 TFLOP/s;
@@ -124,7 +129,7 @@ def devices(target: Target) -> tuple:
             desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
                                                 chip_config_name=target.chip_config,
                                                 chips_per_host_bounds=target.chips_per_host,
-                                                num_slices=1, wrap=(False, False, False))
+                                                num_slices=target.slices, wrap=(False, False, False))
         else:
             desc = topologies.get_topology_desc(platform="cuda", target_config=SPECS.read_text(),
                                                 topology=target.topology)
@@ -141,8 +146,17 @@ def devices(target: Target) -> tuple:
 
 
 def get(name: str) -> Target:
+    """A named target, ``local``, or ``NxNAME``: N slices of the named TPU slice (multislice)."""
     if name == "local":
         return local()
+    multi = re.fullmatch(r"(\d+)x(.+)", name)
+    if multi and multi.group(2) in TARGETS:
+        one, slices = TARGETS[multi.group(2)], int(multi.group(1))
+        if one.platform != "tpu" or slices < 1:
+            problem = f"{one.name} is a GPU target" if one.platform != "tpu" else "N must be >= 1"
+            raise TargetError(f"--target={name}: NxNAME is N slices of a TPU target (multislice): {problem}")
+        return dataclasses.replace(one, name=name, slices=slices, hosts=one.hosts * slices, chips=one.chips * slices)
     if name not in TARGETS:
-        raise TargetError(f"--target={name}: unknown; targets are {', '.join(TARGETS)}, local")
+        raise TargetError(f"--target={name}: unknown; targets are {', '.join(TARGETS)}, NxNAME (N TPU slices: "
+                          "multislice), local")
     return TARGETS[name]

@@ -175,6 +175,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
+    c.mesh.dcn_data = -1  # TPU multislice: slices the data axis spans (-1 = all); the rest extend fsdp
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator = ""  # host:port; "" = auto-detect (TPU pods, SLURM) or single process
@@ -196,10 +197,12 @@ def _choice(c, field: str, allowed) -> None:
     _check(value in allowed, field, value, f"allowed values are {list(allowed)}")
 
 
-def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platform: str | None = None) -> None:
-    """Raise ConfigError (one line, naming the field) for any invalid value. ``num_devices`` and
-    ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``: what the programs are compiled for, this machine's
-    ``jax.default_backend()`` or ``aot``'s target's) check the fields that depend on them."""
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platform: str | None = None,
+             num_slices: int = 1) -> None:
+    """Raise ConfigError (one line, naming the field) for any invalid value. ``num_devices`` (over
+    ``num_slices`` TPU slices) and ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``: what the programs are
+    compiled for, this machine's ``jax.default_backend()`` or ``aot``'s target's) check the fields
+    that depend on them."""
     for field, allowed in choices().items():
         _choice(c, field, allowed)
     _check(platform is None or c.model.attention != "cudnn" or platform == "gpu", "model.attention",
@@ -306,10 +309,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(set(loggers) <= set(LOGGERS) and len(set(loggers)) == len(loggers), "train.loggers", c.train.loggers,
            f"comma-separated names from {','.join(LOGGERS)}, each once ('' = metrics.jsonl alone)")
 
+    _check(c.mesh.dcn_data == -1 or c.mesh.dcn_data >= 1, "mesh.dcn_data", c.mesh.dcn_data,
+           "must be -1 (every slice) or a slice count >= 1")
     if num_devices is not None:
-        from arlopti_jax.runtime.sharding import resolve_mesh_shape
+        from arlopti_jax.runtime.sharding import mesh_sizes
         try:
-            sizes = resolve_mesh_shape(dict(c.mesh), num_devices)
+            sizes = mesh_sizes(dict(c.mesh), num_devices, num_slices)
         except ValueError as err:
             raise ConfigError(f"config.mesh={dict(c.mesh)} is invalid: {err}") from None
         per = sizes["data"] * sizes["fsdp"]

@@ -209,9 +209,14 @@ FIELD_DOCS = {
     "reward.correct_at": "what counts as correct in `acc/*`, the evaluation's accuracies, pass@k and maj@k: a score "
                          ">= this; unset: the reward's own `acc` where it returns a verl-style dict, else the task's "
                          "full score (K&K 3, every other source 1); a response whose scoring failed is never correct",
-    "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices)",
+    "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices; of one slice's over several "
+                 "TPU slices, see mesh.dcn_data)",
     "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",
     "mesh.tensor": "tensor-parallel mesh axis size (-1 = the rest)",
+    "mesh.dcn_data": "a job over several TPU slices (multislice): mesh.data, fsdp and tensor lay out one slice, and "
+                     "the data axis repeats it over this many slices across the data-center network (-1 = every "
+                     "slice; it must divide the slice count; the other slices extend fsdp, whose weight gathers "
+                     "then cross slices); one slice: 1 or -1",
     "distributed.coordinator": "`host:port` of process 0; `\"\"` = from SLURM, or a single process; `auto` = "
                                "JAX's detection (Cloud TPU)",
     "distributed.num_processes": "process count (0 = from SLURM or JAX)",

@@ -151,13 +151,20 @@ def _rows_contiguous(mesh: Mesh) -> bool:
 def process_contiguous(mesh: Mesh) -> Mesh:
     """``mesh``, or the same axes over a process-major device order, so that each process's
     devices hold one contiguous block of the batch rows. ConfigError if no order can (tensor
-    parallelism across processes, or a data x fsdp size the processes do not divide)."""
+    parallelism across processes, or a data x fsdp size the processes do not divide). Over several
+    slices the devices are reordered within each slice's positions: a slice stays where the
+    multislice mesh put it."""
     processes = mesh_processes(mesh)
     if processes == 1 or _rows_contiguous(mesh):
         return mesh
-    devices = sorted(mesh.devices.flat, key=lambda d: d.process_index)  # stable: keeps the local order
-    reordered = Mesh(np.asarray(devices).reshape(mesh.devices.shape), mesh.axis_names,
-                     axis_types=mesh.axis_types)
+    grid = mesh.devices.copy()
+    slice_of = np.zeros(grid.shape, int)
+    if shd.slice_count(list(grid.flat)) > 1:  # TPU slices (a GPU's slice_index, its host, is no block here)
+        slice_of = np.vectorize(lambda d: d.slice_index, otypes=[int])(grid)
+    for index in np.unique(slice_of):
+        where = slice_of == index  # one slice's positions, in the mesh's order
+        grid[where] = np.array(sorted(grid[where], key=lambda d: d.process_index), dtype=object)  # stable sort
+    reordered = Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types)
     if not _rows_contiguous(reordered):
         raise ConfigError(f"config.mesh={dict(mesh.shape)} is invalid for {processes} processes of "
                           f"{mesh.devices.size // processes} devices: each process must hold whole batch rows, so "

@@ -8,10 +8,17 @@ The mesh has three axes:
 Every parameter and constrained activation names its dimensions logically (``embed``,
 ``mlp``, ``heads``, ...); ``DEFAULT_RULES`` maps those names to mesh axes. Changing the
 parallel layout is a change of ``mesh_shape`` or of the rules, never of model code.
+
+A job over several TPU slices (multislice: ICI inside a slice, the data-center network, DCN,
+between them) lays each slice out as ``mesh_shape`` says and repeats it over the slices along
+``data`` (``dcn_data`` of them) and then ``fsdp`` (the rest), as MaxText's dcn_*_parallelism
+does. With the data axis over every slice (the default) the batch crosses DCN, and the weights'
+gathers and tensor parallelism stay inside a slice.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import math
@@ -20,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -64,7 +72,8 @@ def weights_off_batch_axes(rules=DEFAULT_RULES) -> tuple:
 
 
 def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """Fill in the one ``-1`` axis so the product equals ``num_devices``."""
+    """Fill in the one ``-1`` axis so the product equals ``num_devices`` (``dcn_data`` aside)."""
+    shape = {a: s for a, s in shape.items() if a != "dcn_data"}
     unknown = [a for a in shape if a not in MESH_AXES]
     if unknown:
         raise ValueError(f"mesh_shape has unknown axes {unknown}: allowed {list(MESH_AXES)}")
@@ -85,14 +94,67 @@ def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int) -> dict[str, 
     return sizes
 
 
+def slice_count(devices: Sequence[jax.Device]) -> int:
+    """The TPU slices (ICI-connected groups of chips) ``devices`` span: their distinct
+    ``slice_index``; 1 where devices carry none (CPUs) and on GPUs, whose ``slice_index`` names a
+    host's NVLink domain: there the mesh fields lay out the whole job, as they always have."""
+    if not devices or devices[0].platform == "gpu":
+        return 1
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def resolve_layout(shape: Mapping[str, int], num_devices: int, slices: int = 1) -> tuple[dict, dict]:
+    """(one slice's axis sizes, the slices' axis sizes) of ``shape`` on ``num_devices`` over
+    ``slices``: ``shape``'s data, fsdp and tensor lay out one slice's devices (-1 filled in there);
+    ``shape["dcn_data"]`` slices (-1, the default: all of them) repeat it along data, the rest of
+    the slices along fsdp. ValueError for a layout the devices cannot hold."""
+    dcn_data = int(shape.get("dcn_data", -1))
+    if num_devices % slices:
+        raise ValueError(f"{num_devices} devices do not split evenly over {slices} slices")
+    try:
+        ici = resolve_mesh_shape(shape, num_devices // slices)
+    except ValueError as err:
+        if slices == 1:
+            raise
+        raise ValueError(f"{err} (mesh.data, fsdp and tensor lay out one of the {slices} slices)") from None
+    data = slices if dcn_data == -1 else dcn_data
+    if data < 1 or slices % data:
+        raise ValueError(f"dcn_data={dcn_data} must divide the job's slice count, {slices}"
+                         f"{' (its devices are one slice)' if slices == 1 else ''}; -1 = every slice")
+    return ici, {"data": data, "fsdp": slices // data, "tensor": 1}
+
+
+def mesh_sizes(shape: Mapping[str, int], num_devices: int, slices: int = 1) -> dict[str, int]:
+    """The whole mesh's axis sizes (``resolve_layout``'s two layouts multiplied)."""
+    ici, dcn = resolve_layout(shape, num_devices, slices)
+    return {a: ici[a] * dcn[a] for a in MESH_AXES}
+
+
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
-    sizes = resolve_mesh_shape(shape, len(devices))
-    dims = tuple(sizes[a] for a in MESH_AXES)
+    slices = slice_count(devices)
+    ici, dcn = resolve_layout(shape, len(devices), slices)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # GSPMD propagation, not explicit sharding types
+    if slices > 1:
+        return Mesh(hybrid_devices(devices, ici, dcn), MESH_AXES, axis_types=auto)
+    dims = tuple(ici[a] for a in MESH_AXES)
+    if devices[0].platform == "gpu":  # jax.make_mesh's order (by id), without its refusal of several hosts
+        return Mesh(mesh_utils.create_device_mesh(dims, devices), MESH_AXES, axis_types=auto)
     if devices == list(jax.devices()) or devices[0].platform != "cpu":  # topology-aware order (TPU rings)
         return jax.make_mesh(dims, MESH_AXES, axis_types=auto, devices=devices)
     return Mesh(np.asarray(devices).reshape(dims), MESH_AXES, axis_types=auto)
+
+
+def hybrid_devices(devices: Sequence[jax.Device], ici: Mapping[str, int], dcn: Mapping[str, int]) -> np.ndarray:
+    """The device grid of a multislice mesh: each slice laid out as ``jax.make_mesh`` lays out one
+    (its ICI rings), the slices in ``slice_index`` order as blocks along data, then fsdp."""
+    per_slice = collections.Counter(d.slice_index for d in devices)
+    if len(set(per_slice.values())) > 1:
+        raise ValueError(f"the slices hold different device counts {dict(sorted(per_slice.items()))}: a "
+                         "multislice mesh repeats one slice's layout")
+    split = devices[0].device_kind in ("TPU v5 lite", "TPU v5e")  # as jax.make_mesh allows on v5e
+    return mesh_utils.create_hybrid_device_mesh([ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES],
+                                                devices, allow_split_physical_axes=split)
 
 
 _PLATFORM = contextvars.ContextVar("arlopti_platform", default=None)

@@ -250,6 +250,94 @@ dimensions={0}
     assert found["all-reduce"] == {"count": 1, "bytes": 2184 * 4}
 
 
+def test_collectives_between_slices_are_counted_from_their_megascale_transfers():
+    """XLA:TPU lowers a collective between slices to a host-transfer send/recv pair for the
+    megascale runtime (as it printed them for two v5e-16 slices): each recv is one DCN collective
+    of its kind, its payload the recv's first array; the send, the dones and an ICI all-reduce
+    beside them are not DCN's."""
+    from arlopti_jax.aot import hlo
+
+    mega = '_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_target="{1,2}x{0:15}"'
+    text = f"""HloModule m
+
+ENTRY %main (x: f32[64,8,128], y: f32[1,2,1024]) -> f32[64,8,128] {{
+  %x = f32[64,8,128]{{2,1,0}} parameter(0)
+  %y = f32[1,2,1024]{{2,1,0}} parameter(1)
+  %t = token[] after-all(), frontend_attributes={{MegascaleRendezvousKeyName="all-reduce.1_0"}}
+  %s = (f32[64,8,128]{{2,1,0}}, u32[], token[]) send(%x, %t), channel_id=2, is_host_transfer=true, \
+frontend_attributes={{{mega},_xla_megascale_transfer_type="ALL_REDUCE"}}
+  %r = (f32[64,8,128]{{2,1,0}}, u32[], token[]) recv(%t), channel_id=1, is_host_transfer=true, \
+frontend_attributes={{{mega},_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}}
+  %g = (f32[2,2,1024]{{2,1,0}}, u32[], token[]) recv(%t), channel_id=3, is_host_transfer=true, \
+frontend_attributes={{{mega},_xla_megascale_transfer_type="ALL_GATHER"}}
+  %sd = token[] send-done(%s), channel_id=2, is_host_transfer=true, frontend_attributes={{{mega}}}
+  %rd = (f32[64,8,128]{{2,1,0}}, token[]) recv-done(%r), channel_id=1, is_host_transfer=true
+  %v = f32[64,8,128]{{2,1,0}} get-tuple-element(%rd), index=0
+  ROOT %ar = f32[64,8,128]{{2,1,0}} all-reduce(%v), replica_groups={{{{0,1}}}}, to_apply=%add
+}}
+"""
+    found = {k: v for k, v in hlo.Module(text).collectives().items() if v["count"]}
+    assert found == {"all-reduce": {"count": 1, "bytes": 64 * 8 * 128 * 4},
+                     "dcn all-reduce": {"count": 1, "bytes": 64 * 8 * 128 * 4},
+                     "dcn all-gather": {"count": 1, "bytes": 2 * 2 * 1024 * 4}}
+
+
+def test_two_slices_of_a_named_tpu_target_make_one_mesh_over_the_data_axis():
+    """``2xv5e-16``: libtpu's compile-only topology of two v5e-16 slices (32 chips on 8 hosts, each
+    with its slice_index). Its mesh puts one slice per row of the data axis, each laid out as
+    ``jax.make_mesh`` lays out that slice alone, and stays so when made process-contiguous."""
+    import jax
+
+    from arlopti_jax.runtime import distributed as dist
+    from arlopti_jax.runtime import sharding as shd
+
+    target = targets.get("2xv5e-16")
+    assert (target.chips, target.hosts, target.slices, target.topology) == (32, 8, 2, "v5e:4x4")
+    found = targets.devices(target)
+    assert len(found) == 32 and shd.slice_count(found) == 2
+    for s in (0, 1):
+        assert len({d.process_index for d in found if d.slice_index == s}) == 4
+    for shape in ({"fsdp": 16}, {"fsdp": 8, "tensor": 2}):
+        mesh = dist.process_contiguous(shd.make_mesh(shape, devices=found))
+        assert dict(mesh.shape) == shd.resolve_mesh_shape(shape, 16) | {"data": 2}
+        for s in (0, 1):
+            alone = [d for d in found if d.slice_index == s]
+            want = dist.process_contiguous(jax.make_mesh((1, *mesh.devices.shape[1:]), shd.MESH_AXES, devices=alone))
+            assert list(mesh.devices[s].flat) == list(want.devices.flat)
+    with pytest.raises(targets.TargetError, match="h100x8 is a GPU target"):
+        targets.get("2xh100x8")
+    with pytest.raises(targets.TargetError, match="N must be >= 1"):
+        targets.get("0xv5e-8")
+
+
+def test_an_h100_node_is_laid_out_as_jax_make_mesh_lays_it_out():
+    """GPUs keep JAX's own order (by id) for every layout; make_mesh builds it without
+    jax.make_mesh, which refuses GPUs of several hosts (tests/runtime/test_multislice.py)."""
+    import jax
+
+    from arlopti_jax.runtime import sharding as shd
+
+    gpus = list(targets.devices(targets.get("h100x8")))
+    for shape in ({"fsdp": 8}, {"fsdp": 1, "tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}):
+        want = jax.make_mesh(tuple(shd.resolve_mesh_shape(shape, 8).values()), shd.MESH_AXES, devices=gpus)
+        assert list(shd.make_mesh(shape, devices=gpus).devices.flat) == list(want.devices.flat)
+
+
+@pytest.mark.slow
+def test_one_rl_step_compiles_for_two_slices():
+    """Every program of the small config's step for two v5e-8 slices (data=2 across them, fsdp=8
+    inside each): the gradients cross the data-center network in the update, the weights' gathers
+    stay inside a slice."""
+    from arlopti_jax.aot.check import check
+
+    record = check(small_config(**{"train.micro_batch": 16}), targets.get("2xv5e-8"))
+    assert record["fits"] and record["slices"] == 2 and record["dcn_data"] == 2 and record["processes"] == 2
+    assert record["mesh"] == {"data": 2, "fsdp": 8, "tensor": 1}
+    programs = {p["name"].split()[0]: p["collectives"] for p in record["programs"]}
+    assert programs["accumulate"]["dcn all-reduce"]["count"] > 0
+    assert programs["accumulate"]["all-gather"]["count"] > 0 and "dcn all-gather" not in programs["sampling"]
+
+
 def test_the_tpu_estimate_loses_its_second_per_concat_bitcast():
     """libtpu's estimate of a decode step counts each ConcatBitcast custom call as -1 s: a 2-layer
     step's -3998.1 ms with four of them is 1.9 ms; one that stays negative is unusable."""
