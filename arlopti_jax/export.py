@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--adapter", action="store_true",
                         help="a LoRA run: write its adapters as a PEFT adapter folder instead of the merged model")
     args = parser.parse_args(argv)
+    from arlopti_jax.runtime.chips import start_backend
+
+    start_backend()
     try:
         source = read_checkpoint(args.checkpoint)
         if args.adapter and not int(source[1].model.get("lora_rank", 0)):

@@ -98,7 +98,9 @@ def main(argv) -> int:
     from absl import flags
 
     from arlopti_jax.aot.check import DoesNotFit, check, does_not_fit_line, prepare
+    from arlopti_jax.runtime.chips import start_backend
 
+    start_backend()  # this machine's own backend, without the compile-only plugins' driver lines
     config = flags.FLAGS.config
     names = [t for t in flags.FLAGS.target.split(",") if t]
     try:  # start-up: every target's compiler, the config on its mesh, the model's shape

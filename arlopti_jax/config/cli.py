@@ -185,8 +185,8 @@ def parse_command_line(argv: list[str], command: Command, define_flags) -> list[
         return rest
     except Exception as err:  # absl/ml_collections raise several types for bad overrides
         root = err
-        while root.__cause__ is not None or root.__context__ is not None:
-            root = root.__cause__ or root.__context__
+        while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
+            root = root.__cause__ or root.__context__  # `raise ... from None` ends the chain
         last_line = lambda e: str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
         message = last_line(err)
         if isinstance(root, OSError):

@@ -180,7 +180,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         if stopping:  # inside the grace period: the save is complete before the process exits
             ckpt.wait()
             saved["seconds"] = time.monotonic() - began
-        saved.update(step=step, time=time.monotonic())
+        saved.update(step=step, time=time.monotonic(), began=began)
 
     def stopped_at(step):
         seconds = saved.get("seconds")
@@ -196,6 +196,9 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             return False
         if saved["step"] < step:
             save(step, data_state=data_state, stopping=True)
+        elif "began" in saved:  # saved at this step's end, perhaps still being written: the exit waits for it
+            ckpt.wait()
+            saved["seconds"] = time.monotonic() - saved["began"]
         stopped_at(step)
         return True
 

@@ -107,13 +107,18 @@ def cluster_settings(config, environ: Mapping[str, str] | None = None) -> dict[s
 
 
 def initialize(config) -> bool:
-    """Join the other processes (before any JAX computation); True when this is a multi-process run."""
+    """Join the other processes (before any JAX computation), then start JAX's backend without the
+    compile-only plugins' driver lines (``chips.start_backend``); True when this is a multi-process run."""
+    from arlopti_jax.runtime.chips import start_backend
+
     settings = cluster_settings(config)
     if settings is None:
+        start_backend()
         return False
     if "cpu" in (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_s))
+    start_backend()
     log.info("process %d of %d: %d local devices of %d", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return jax.process_count() > 1

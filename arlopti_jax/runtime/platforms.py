@@ -39,12 +39,8 @@ def leave_out_absent_accelerators(exists=None, plugins=None, has_libtpu=None) ->
         return None
     exists = exists or (lambda pattern: bool(glob.glob(pattern)))
     if plugins is None:
-        try:
-            import jax_plugins
-
-            plugins = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
-        except ImportError:
-            plugins = []
+        spec = importlib.util.find_spec("jax_plugins")  # a namespace package the plugins install into
+        plugins = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)] if spec else []
     has_libtpu = importlib.util.find_spec("libtpu") is not None if has_libtpu is None else has_libtpu
     if exists("/dev/kfd") or any(not name.startswith("xla_cuda") for name in plugins):
         return None  # an AMD GPU, or an accelerator plugin this does not know: JAX decides

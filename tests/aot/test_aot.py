@@ -173,7 +173,8 @@ def test_an_unknown_target_or_a_layout_the_slice_cannot_hold_is_one_line():
                                        text=True, env=env, timeout=600)
     unknown = run("--target=v9-1")
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
-        f"error: --target=v9-1: unknown; targets are {', '.join(targets.TARGETS)}, local"]
+        f"error: --target=v9-1: unknown; targets are {', '.join(targets.TARGETS)}, "
+        "NxNAME (N TPU slices: multislice), local"]
     # tensor parallelism across v5e-16's hosts (4 chips each): no process holds whole batch rows
     across = run("--target=v5e-16", "--config.mesh.fsdp=2", "--config.mesh.tensor=8", "--config.train.micro_batch=2")
     lines = across.stderr.strip().splitlines()

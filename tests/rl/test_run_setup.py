@@ -108,7 +108,8 @@ def test_the_step_count_control_is_grpo_with_as_many_optimizer_steps_as_lopti(sc
     assert config("grpo_2x_steps").to_dict() == config("grpo").to_dict()  # nothing else differs
 
 
-def test_the_data_fields_reach_the_run_and_an_unknown_data_source_stops_its_start_up(start_point, tmp_path):
+def test_the_data_fields_reach_the_run_and_an_unknown_data_source_stops_its_start_up(start_point, tmp_path,
+                                                                                      monkeypatch):
     rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
     qa = tmp_path / "qa.jsonl"
     qa.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -126,7 +127,10 @@ def test_the_data_fields_reach_the_run_and_an_unknown_data_source_stops_its_star
     unknown = make_config(overrides(start_point, tmp_path / "run", **{**fields, "data.data_source": "gsm8k"}))
     with pytest.raises(ValueError, match="^config.data.train_files: no reward function for data_source 'gsm8k'"):
         run_setup.prepare_inputs(unknown)
-    unknown.reward.fn = "my_rewards:score"  # imported by the trainer after the start-up
+    (tmp_path / "my_rewards.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                            "    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    unknown.reward.fn = "my_rewards:score"  # the start-up imports it, and then takes any data_source
     assert run_setup.prepare_inputs(unknown).iterator.dataset.rows[0]["data_source"] == "gsm8k"
 
 

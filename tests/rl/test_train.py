@@ -110,7 +110,7 @@ def test_sigterm_leaves_a_loadable_checkpoint(start_point, tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 75, out[-3000:]  # stopped, resume me (a finished run exits 0)
     assert re.search(r"received SIGTERM: checkpoint \d+ saved in [0-9.]+ s \(train.grace_s=30\), exiting "
-                     r"\(exit code 75", out)
+                     r"\(exit code 75",out), out[-3000:]
     last = max(step_metrics(tmp_path / "t"))
     ckpt = Checkpointer(tmp_path / "t" / "checkpoints")
     assert ckpt.steps() == list(range(max(1, last - 2), last + 1))  # every step's, the newest 3 kept
