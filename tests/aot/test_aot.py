@@ -54,6 +54,7 @@ def test_every_named_target_has_its_chips_on_its_hosts(name):
             sum(d.process_index == h for d in found) == want_chips // target.hosts for h in hosts)
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 def test_one_rl_step_compiles_for_a_tpu_slice():
     """Every kind of program (the length-aware schedule's, the reference log-prob pass) for v5e-8."""
     from arlopti_jax.aot.check import check
@@ -75,6 +76,7 @@ def test_one_rl_step_compiles_for_a_tpu_slice():
     assert accumulate["collectives"]["all-gather"]["count"] > 0  # fsdp gathers the weights
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 def test_one_rl_step_compiles_for_an_h100():
     """The dense sampler and the update for one H100: no cost analysis from XLA:GPU, so bytes come
     from the HLO and launches from the thunk sequence."""
@@ -155,6 +157,7 @@ def test_a_lora_step_holds_the_base_once_and_optimizer_state_for_the_adapters_al
     assert 0 <= record["resident_bytes_per_device"] - (4 * cfg.num_params() + 12 * adapters) < 64
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 def test_a_config_that_cannot_fit_gets_one_line():
     env = {**os.environ, "XLA_FLAGS": ""}
     args = ["--config.train.batch_prompts=512", "--config.rollout.n=16", "--config.rollout.max_response_length=8192",

