@@ -1,6 +1,7 @@
 """Stop strings (arlopti_jax.rollout.stop): responses of the tiny byte-level BPE tokenizer that a
 stop string ends inside a token, across tokens and after several, against a plain decode of every
-prefix; and a collected step's loss mask and rewards seeing the trimmed responses."""
+prefix; a collected step's loss mask and rewards, and an evaluation's scores and kept responses, seeing
+the trimmed responses."""
 
 import numpy as np
 import pytest
@@ -107,13 +108,13 @@ def test_apply_stops_trims_masks_and_texts(include):
 
 
 class TokenSampler:
-    """Every prompt's n responses are the given token lists, right-padded."""
+    """Every prompt's n responses are the first n given token lists, right-padded."""
 
     def __init__(self, rows, eos):
         self.rows, self.eos = rows, eos
 
     def generate(self, params, prompts, n, key, sampling):
-        rows = [r for _ in prompts for r in self.rows]
+        rows = [r for _ in prompts for r in self.rows[:n]]
         out = rollout_of(rows, sampling.max_response_len, self.eos)
         p = np.repeat(np.array([prompts[0]], np.int32), len(rows), 0)
         return Rollout(p, np.ones_like(p), out.response_ids, out.response_mask, out.logprobs, out.lengths,
@@ -146,3 +147,44 @@ def test_collected_batch_sees_trimmed_responses(include):
     assert np.asarray(step.lengths).tolist() == kept
     # rows 0 and 1 end with the tag only when it is kept; row 1's EOS after it is cut
     assert np.asarray(step.rewards).tolist() == [float(include), float(include), 0.0, 0.0, 0.0] * 2
+
+
+def test_evaluation_scores_and_keeps_the_trimmed_responses(tmp_path):
+    import json
+
+    import jax
+
+    from arlopti_jax.rl.evaluation import Evaluator
+
+    tok = tiny_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = responses(tok)
+
+    class Sampler(TokenSampler):
+        def process_share(self, count, sampling, pad_to=0):
+            return slice(0, count)
+
+        def generate(self, params, prompts, n, key, sampling, pad_to=0):
+            return super().generate(params, prompts, n, key, sampling)
+
+    class Run:
+        sampler = Sampler(rows, eos)
+
+        def sampling(self, greedy=False, temperature=None):
+            return SamplingConfig(max_response_len=40, greedy=greedy, temperature=temperature or 1.0, pad_id=PAD)
+
+    c = base_config()
+    c.rollout.n, c.train.batch_prompts, c.train.eval_n, c.train.eval_ks, c.reward.workers = 5, 1, 5, (1,), 0
+    c.rollout.stop = ("</answer>",)
+    data = type("Set", (), {"rows": [{"prompt_ids": tok.encode("Q:"), "data_source": "scripted", "ground_truth": "",
+                                      "extra_info": {}, "row": 0}]})()
+    for include in (False, True):
+        c.rollout.include_stop_str = include
+        evaluator = Evaluator(c, Run(), tok, {"s": data}, solution_reward)
+        out = evaluator.run(None, jax.random.key(0), tmp_path / str(include))
+        # greedy: the first response; sampled: all five, the first two ending with the tag only when kept
+        assert out["eval/s/greedy_reward"] == float(include)
+        assert out["eval/s/sampled_reward"] == pytest.approx(0.4 * include)
+        records = [json.loads(line) for line in (tmp_path / str(include) / "s.jsonl").read_text().splitlines()]
+        want = [tok.decode(r) if (w := reference(tok, r, ("</answer>",), include)) is None else w[1] for r in rows]
+        assert [r["response"] for r in records if r["mode"] == "sampled"] == want
