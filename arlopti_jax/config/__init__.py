@@ -81,6 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
     c.rollout.max_response_length = 4096
+    c.rollout.stop = ()  # strings that end a response (vLLM's stop), matched on the decoded text
+    c.rollout.include_stop_str = False  # the rewards' text keeps the stop string (vLLM's include_stop_str_in_output)
     c.rollout.prompt_bucket = 64  # prompts are padded to a multiple of this (compile once per bucket)
     c.rollout.recompute_old_logprobs = False  # pi_old from a teacher-forced pass instead of the sampler's
     c.rollout.length_aware = True  # decode cost follows the real response lengths (same tokens as the dense path)
@@ -240,6 +242,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(c.rollout.top_k >= 0, "rollout.top_k", c.rollout.top_k, "must be >= 0 (0 = off)")
     _check(c.rollout.max_response_length >= 1, "rollout.max_response_length", c.rollout.max_response_length,
            "must be >= 1")
+    stop = c.rollout.stop
+    _check(isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop), "rollout.stop", stop,
+           "must be a tuple of non-empty strings, e.g. --config.rollout.stop=\"('</answer>',)\" (() = none)")
     _check(c.rollout.prompt_bucket >= 1, "rollout.prompt_bucket", c.rollout.prompt_bucket, "must be >= 1")
     _check(c.data.max_prompt_length >= 1, "data.max_prompt_length", c.data.max_prompt_length, "must be >= 1")
     for field in ("loss.clip_low", "loss.clip_high"):

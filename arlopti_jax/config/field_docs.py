@@ -63,6 +63,14 @@ FIELD_DOCS = {
     "rollout.top_p": "nucleus sampling (1 = off)",
     "rollout.top_k": "top-k sampling (0 = off)",
     "rollout.max_response_length": "response tokens, EOS included",
+    "rollout.stop": "strings that end a response, as vLLM's `stop`: matched on the decoded text (special tokens "
+                    "kept), so one may end inside a token or span several; the response keeps the tokens up to the "
+                    "one that completes the first stop string met, and the loss, the length and the rewards see "
+                    "nothing after it (the sampler decodes on to EOS or max_response_length; the host trims). "
+                    "A tuple: `--config.rollout.stop=\"('</answer>',)\"`; `()` = none",
+    "rollout.include_stop_str": "the text given to the rewards keeps the stop string (vLLM's "
+                                "`include_stop_str_in_output`); False = it ends just before it. The stop string's "
+                                "last token is in the response (and the loss) either way",
     "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this) of the longest prompt "
                              "in the run's data: one prompt width per run",
     "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler",

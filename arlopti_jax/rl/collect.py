@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from arlopti_jax.runtime import distributed as dist
-from arlopti_jax.rl.evaluation import concat_info, gather_info, info_means, score_rollout
+from arlopti_jax.rl.evaluation import concat_info, gather_info, info_means, score_rollout, stopped
 
 
 def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: float) -> np.ndarray:
@@ -100,6 +100,7 @@ class Collector:
         mine = rows[self.mine]
         with self.timer("rollout"):
             rollout = self.sampler.generate(params, [r["prompt_ids"] for r in mine], self.n, key, self.sampling)
+            rollout = stopped(self.config, self.tokenizer, rollout, self.sampling.pad_id)
         with self.timer("reward"):
             scored = score_rollout(self.config, self.reward_fn, self.tokenizer, mine, rollout, self.n)
         rewards = scores = scored.scores

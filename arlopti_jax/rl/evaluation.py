@@ -42,6 +42,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from arlopti_jax.rollout import apply_stops, cut_texts
 from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import faults
@@ -74,9 +75,15 @@ class Scored:
 
 
 def decode_solutions(tokenizer, prompt_rows: list[dict], rollout, n: int) -> list[str]:
-    """verl's ``solution_str``: the decoded prompt and response together, special tokens kept."""
+    """verl's ``solution_str``: the decoded prompt and response together, special tokens kept (less
+    what a stop string cut: ``Rollout.text_cut``)."""
     seqs = [prompt_rows[i // n]["prompt_ids"] + resp for i, resp in enumerate(rollout.responses())]
-    return tokenizer.batch_decode(seqs, skip_special_tokens=False)
+    return cut_texts(tokenizer.batch_decode(seqs, skip_special_tokens=False), rollout)
+
+
+def stopped(config, tokenizer, rollout, pad_id: int):
+    """``rollout`` trimmed at ``rollout.stop``'s strings (``rollout/stop.py``); itself without them."""
+    return apply_stops(rollout, tokenizer, tuple(config.rollout.stop), config.rollout.include_stop_str, pad_id)
 
 
 def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: int) -> Scored:
@@ -178,6 +185,7 @@ class Evaluator:
         cfg = self.config
         rows = rows[self.sampler.process_share(len(rows), sampling, pad_to)]
         rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling, pad_to=pad_to)
+        rollout = stopped(cfg, self.tokenizer, rollout, sampling.pad_id)
         scored = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
         texts, scores, ok = scored.texts, scored.scores, scored.correct
         answers = [None] * len(texts)
@@ -190,7 +198,7 @@ class Evaluator:
             stats[p] = prompt_stats(ok[p * n:(p + 1) * n], answers[p * n:(p + 1) * n] if with_answers else None,
                                     self.ks)
         if records is not None:
-            responses = self.tokenizer.batch_decode(rollout.responses(), skip_special_tokens=False)
+            responses = cut_texts(self.tokenizer.batch_decode(rollout.responses(), skip_special_tokens=False), rollout)
             records += [{"row": rows[i // n]["row"], "mode": mode, "sample": i % n, "response": responses[i],
                          "answer": answers[i], "score": float(scores[i]), "correct": bool(ok[i]),
                          "ground_truth": rows[i // n]["ground_truth"],

@@ -18,12 +18,16 @@ class Rollout:
     logprobs       [N, R] float32 log_softmax(logits / temperature) of each sampled
                                   token under the full distribution (pi_old); 0 on padding
     lengths        [N] int32     response_mask.sum(-1)
-    truncated      [N] bool      reached R tokens without an EOS
+    truncated      [N] bool      reached R tokens without an EOS (or a stop string)
     group_ids      [N] int32     index of the prompt each row answers
     decode_steps   int           response positions the decode loop produced (< R when
                                  every sample finished early)
     decode_loops   tuple         (rows of the global batch, cache slots, step reached) of each
                                  decode loop run, the first from step 0 (the prefill's token)
+    text_cut       [N] int32 or None  characters to drop from the end of each response's decoded
+                                 text: the stop string that ended it (unless kept) and what its
+                                 last token decodes to after it (``stop.apply_stops``); None
+                                 without stop strings
     """
 
     prompt_ids: np.ndarray
@@ -36,6 +40,7 @@ class Rollout:
     group_ids: np.ndarray
     decode_steps: int
     decode_loops: tuple = ()
+    text_cut: np.ndarray | None = None
 
     @property
     def decode_row_steps(self) -> int:

@@ -81,6 +81,8 @@ def test_reference_config_table_is_the_generated_one():
     ("train.eval_ks", (1, 4), "train.eval_ks=(1, 4) is invalid: must be integers k with 1 <= k <= train.eval_n = 1"),
     ("train.eval_ks", ("1,a",), "train.eval_ks=('1,a',) is invalid"),
     ("train.eval_temperature", 0.0, "train.eval_temperature=0.0 is invalid: must be > 0"),
+    ("rollout.stop", ("</answer>", ""), "rollout.stop=('</answer>', '') is invalid: must be a tuple of non-empty"),
+    ("rollout.stop", (1,), "rollout.stop=(1,) is invalid: must be a tuple of non-empty strings"),
     ("train.diagnostics_every", -1, "train.diagnostics_every=-1 is invalid"),
     ("train.ppo_epochs", 0, "train.ppo_epochs=0 is invalid: must be an integer >= 1"),
     ("algo.max_sample_rounds", 0, "algo.max_sample_rounds=0 is invalid: must be >= 1"),
