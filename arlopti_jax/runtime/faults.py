@@ -4,7 +4,9 @@
                                  multi-process run, when @P is given)
 
 Dying is ``SIGKILL`` to this process: no ``finally``, no flush, no atexit, as a power cut or the
-kernel's out-of-memory killer would stop it. A site that writes text (``write``) first writes the
+kernel's out-of-memory killer would stop it. With ``ARLOPTI_FAULT_SIGNAL=NAME`` (``SIGTERM``, say)
+the armed pass sends that signal to this process instead and carries on, its write whole: a
+preemption notice that lands at a known point of a step. A site that writes text (``write``) first writes the
 first half of it and flushes, so the file is left with a half-written last line or record. Without
 the variable every call here is a dictionary look-up and returns.
 
@@ -33,6 +35,7 @@ import signal
 from typing import IO
 
 ENV = "ARLOPTI_FAULT"
+SIGNAL_ENV = "ARLOPTI_FAULT_SIGNAL"
 SITES = ("metrics", "eval", "generations", "checkpoint_write", "checkpoint_commit", "checkpoint_committed",
          "results", "worker_records", "start_point", "converter", "package_file")
 _passes: dict[str, int] = {}
@@ -61,6 +64,11 @@ def _armed(site: str) -> bool:
 
 
 def die() -> None:
+    """SIGKILL to this process, or ARLOPTI_FAULT_SIGNAL's signal (then True: the caller carries on)."""
+    name = os.environ.get(SIGNAL_ENV)
+    if name:
+        os.kill(os.getpid(), getattr(signal, name))
+        return True
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -73,6 +81,10 @@ def point(site: str) -> None:
 def write(file: IO[str], text: str, site: str) -> None:
     """``file.write(text)``; or, on the armed pass of ``site``, half of it, flushed, then die."""
     if _armed(site):
+        if os.environ.get(SIGNAL_ENV):
+            file.write(text)
+            die()
+            return
         file.write(text[: len(text) // 2])
         file.flush()
         die()

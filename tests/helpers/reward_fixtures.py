@@ -13,20 +13,3 @@ def half_constant_reward(data_source, solution_str, ground_truth, extra_info=Non
     their groups have zero advantage (dynamic sampling drops them)."""
     return 0.0 if extra_info["index"] % 2 == 0 else length_reward(data_source, solution_str, ground_truth)
 
-
-_calls = 0
-
-
-def stop_trainer_in_step_two(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """``length_reward``; with ARLOPTI_TEST_STOP=K in the environment, the (K+1)-th call in this
-    worker process (the first response of step 2 when a step scores K responses and nothing is
-    scored before it) also sends SIGTERM to the trainer, this worker's parent: a stop signal that
-    lands in a known step."""
-    import os
-    import signal
-
-    global _calls
-    _calls += 1
-    if os.environ.get("ARLOPTI_TEST_STOP") and _calls == int(os.environ["ARLOPTI_TEST_STOP"]) + 1:
-        os.kill(os.getppid(), signal.SIGTERM)
-    return length_reward(data_source, solution_str, ground_truth)

@@ -107,7 +107,7 @@ def test_a_lora_run_trains_the_adapters_alone(start_point, tmp_path, capsys, cap
     assert not (tmp_path / "other").exists()
     proc = evaluate(f"--checkpoint={step_dir}")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
-    assert proc.stderr.startswith("error: --checkpoint=") and "use the same base model" in proc.stderr
+    assert proc.stderr.startswith(f"error: {step_dir} holds adapters") and "use the same base model" in proc.stderr
 
 
 def test_a_checkpoint_and_a_config_that_disagree_on_lora_are_refused(tmp_path):

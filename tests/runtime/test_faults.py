@@ -10,6 +10,7 @@ suite); the default suite keeps the record-trimming rules and the fault switch i
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,14 +134,14 @@ def test_one_process_killed_at_a_write_resumes_exactly(fault, start_point, unint
 
 @pytest.mark.slow
 def test_a_stop_signal_at_an_evaluation_step_leaves_the_evaluation_to_the_resumed_run(start_point, tmp_path):
-    """SIGTERM saves a checkpoint and exits at the end of the step; at an evaluation step the
-    evaluation is not run then, and the resumed run runs it first (checkpoint meta eval_pending)."""
-    values = run_values(start_point, tmp_path / "run", **{"train.eval_before": False,
-                                                          "reward.fn": "reward_fixtures:stop_trainer_in_step_two"})
-    proc = subprocess.run(cli(values), capture_output=True, text=True, env=env_with(ARLOPTI_TEST_STOP=str(16)),
-                          timeout=600)
-    assert proc.returncode == 0 and "received SIGTERM: saved checkpoint 2" in proc.stdout + proc.stderr, \
-        proc.stdout[-3000:] + proc.stderr[-3000:]
+    """SIGTERM during an evaluation step's update (it lands as step 2's metrics record is written)
+    saves checkpoint 2 and exits 75 at the step's end; the evaluation is not run then, and the
+    resumed run runs it first (checkpoint meta eval_pending)."""
+    values = run_values(start_point, tmp_path / "run", **{"train.eval_before": False})
+    proc = subprocess.run(cli(values), capture_output=True, text=True, timeout=600,
+                          env=env_with(**{faults.ENV: "metrics:2", faults.SIGNAL_ENV: "SIGTERM"}))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75 and re.search(r"received SIGTERM: checkpoint 2 saved in [0-9.]+ s", out), out[-3000:]
     assert not (tmp_path / "run" / "eval.jsonl").exists()  # step 2's evaluation was not run
     assert_nothing_compiled_late(train(make_config({**values, "resume": "auto"})))
     reference = run_values(start_point, tmp_path / "reference", **{"train.eval_before": False})
