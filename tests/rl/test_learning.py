@@ -14,7 +14,10 @@ import pytest
 PEOPLE = (2, 3)  # the default's test sets: 2- and 3-person puzzles
 # Enough SFT for the warm start to write both answer forms (30% in the <answer> block) and to know
 # some of the logic; the reduced RL run then has to learn the block from the reward. 100 test
-# puzzles per size make a guesser's average accuracy's standard error 0.027.
+# puzzles per size make a guesser's average accuracy's standard error 0.027. 48 RL steps: the run is
+# chaotic in float rounding (two start points whose SFT losses first differed by 5e-7, at step 8,
+# came out of 24 steps at greedy 0.26 and 0.36 against this test's bar of 0.27; of 48, at 0.39 and
+# 0.365; measured on 2026-12-02, docs/measurements/journal.md).
 SCRIPT = """
 import json, sys
 from pathlib import Path
@@ -31,7 +34,7 @@ c.run_dir = str(out / "run")
 c.model.path = str(sp / "model")
 c.data.train_files = str(sp / "data" / "train.parquet")
 c.data.test_files = ",".join(str(f) for f in tests.values())
-c.train.max_steps, c.train.eval_every, c.train.save_every, c.train.samples_every = 24, 24, 100, 100
+c.train.max_steps, c.train.eval_every, c.train.save_every, c.train.samples_every = 48, 48, 100, 100
 c.train.export_at_end = False
 s = train(c)
 print("SUMMARY " + json.dumps({"rewards": s["rewards"], "before": s["before"], "after": s["after"],
