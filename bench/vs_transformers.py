@@ -6,7 +6,8 @@
 
 The workload is ``configs/smollm2.py:cpu``'s update: 32 rows of 96 prompt + 48 response tokens
 (random ids, every prompt its own), the PPO clipped loss + k3 KL (coefficient 0.001), gradient
-clipping and AdamW over the whole batch as one micro-batch, float32 on both sides. Ours is
+clipping and AdamW over the whole batch, float32 on both sides: ours as one micro-batch (the config's),
+transformers in 4 of 8 rows (one would not fit this machine's memory beside ours). Ours is
 ``algos.make_train_step`` with the trainer's shape set (``packing.shapes_for(budget, 144)``) as
 ``run_setup`` builds it. Each ``--forms`` entry is one build of ours:
 
@@ -39,6 +40,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's spinning threads 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROWS, PROMPT, RESPONSE = 32, 96, 48
+TORCH_MICRO = 4  # transformers' micro-batches of 8 rows (``Transformers.__call__``)
 TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
             head_dim=64, tie_word_embeddings=True, qkv_bias=True, rope_theta=1_000_000.0, eos_token_id=2,
             bos_token_id=1)
@@ -106,20 +108,25 @@ class Transformers:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.01)
 
     def __call__(self, batch, clip=(0.2, 0.24), kl_coef=0.001):
-        """One optimizer step, one micro-batch: the loss ours computes, written in torch."""
+        """One optimizer step: the loss ours computes, written in torch, in TORCH_MICRO micro-batches
+        (one would hold the [32, 143, 49,152] float32 logits, their log-softmax and gradients: with
+        ours in the same process that went over this machine's 24 GiB)."""
         torch = self.torch
         t = {k: torch.from_numpy(v).long() if k in ("input_ids", "attention_mask") else torch.from_numpy(v)
              for k, v in batch.items()}
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        logits = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, 1:, None])[..., 0]
-        mask, a = t["loss_mask"][:, 1:], t["advantages"][:, 1:]
-        ratio = torch.exp(logp - t["old_logprobs"][:, 1:])
-        pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
-        diff = t["ref_logprobs"][:, 1:] - logp
-        loss = ((pg + kl_coef * (torch.exp(diff) - diff - 1)) * mask).sum() / mask.sum().clamp(min=1)
-        loss.backward()
+        denom = t["loss_mask"][:, 1:].sum().clamp(min=1)
+        for rows in torch.arange(ROWS).chunk(TORCH_MICRO):
+            ids = t["input_ids"][rows]
+            logits = self.model(input_ids=ids, attention_mask=t["attention_mask"][rows]).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            mask, a = t["loss_mask"][rows, 1:], t["advantages"][rows, 1:]
+            ratio = torch.exp(logp - t["old_logprobs"][rows, 1:])
+            pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
+            diff = t["ref_logprobs"][rows, 1:] - logp
+            loss = ((pg + kl_coef * (torch.exp(diff) - diff - 1)) * mask).sum() / denom
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
 

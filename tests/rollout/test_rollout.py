@@ -155,6 +155,7 @@ def _full_logprobs(policy, roll, temperature=1.0):
     return np.asarray(jax.nn.log_softmax(lg[:, p - 1: p - 1 + R] / temperature, axis=-1))
 
 
+@pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
 def test_top_k_and_top_p_restrict_the_support(policy):
     greedy = _gen(policy, greedy=True)
     for kw in ({"top_k": 1}, {"top_p": 1e-6}):
@@ -469,8 +470,11 @@ def _static_flag_sampler(cfg, mesh):
     return sampler
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.2, top_k=20), dict(top_p=0.9)],
-                         ids=["sampled", "top_k", "top_p"])
+SLOW = pytest.mark.slow  # default-suite budget (10 minutes on 2 cores): CI runs it in the slow pass
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), pytest.param(dict(temperature=1.2, top_k=20), marks=SLOW),
+                                pytest.param(dict(top_p=0.9), marks=SLOW)], ids=["sampled", "top_k", "top_p"])
 def test_greedy_and_sampled_decoding_share_one_compiled_program(policy, kw):
     """Greedy decoding, then sampling with the same kernel settings (``kernel_key``) at the same
     shapes on other prompts, then greedy again, run the same compiled prefill, start and decode
