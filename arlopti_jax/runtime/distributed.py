@@ -112,13 +112,13 @@ def initialize(config) -> bool:
     from arlopti_jax.runtime.chips import start_backend
 
     settings = cluster_settings(config)
-    if settings is None:
-        start_backend()
-        return False
-    if "cpu" in (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(","):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_s))
+    if settings is not None:
+        if "cpu" in (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(","):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_s))
     start_backend()
+    if settings is None:
+        return False
     log.info("process %d of %d: %d local devices of %d", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return jax.process_count() > 1

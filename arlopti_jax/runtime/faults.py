@@ -64,12 +64,9 @@ def _armed(site: str) -> bool:
 
 
 def die() -> None:
-    """SIGKILL to this process, or ARLOPTI_FAULT_SIGNAL's signal (then True: the caller carries on)."""
+    """SIGKILL to this process; with ARLOPTI_FAULT_SIGNAL, that signal instead (and the caller carries on)."""
     name = os.environ.get(SIGNAL_ENV)
-    if name:
-        os.kill(os.getpid(), getattr(signal, name))
-        return True
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), getattr(signal, name) if name else signal.SIGKILL)
 
 
 def point(site: str) -> None:
@@ -81,7 +78,7 @@ def point(site: str) -> None:
 def write(file: IO[str], text: str, site: str) -> None:
     """``file.write(text)``; or, on the armed pass of ``site``, half of it, flushed, then die."""
     if _armed(site):
-        if os.environ.get(SIGNAL_ENV):
+        if os.environ.get(SIGNAL_ENV):  # a signal, not a crash: the write whole, then the signal
             file.write(text)
             die()
             return
