@@ -72,7 +72,7 @@ def workload(vocab: int, seed: int = 0) -> dict:
 
 
 class Ours:
-    def __init__(self, folder: Path, form: str):
+    def __init__(self, folder: Path, form: str, chunk: int = 256):
         import jax
 
         from arlopti_jax import algos
@@ -87,9 +87,11 @@ class Ours:
         budget = ROWS * (PROMPT + RESPONSE)  # one micro-batch: the SmolLM2 CPU config's micro_batch = 32
         shapes = {}
         if form != "noshapes" and hasattr(algos.packing, "shapes_for"):
-            shapes = dict(shapes=algos.packing.shapes_for(budget, PROMPT + RESPONSE))
+            quantum = getattr(algos.packing, "CPU_ROW_QUANTUM", None)  # the trainer's on the CPU, since issue 68
+            shapes = dict(shapes=algos.packing.shapes_for(budget, PROMPT + RESPONSE,
+                                                          **({"quantum": quantum} if quantum else {})))
         self.step = algos.make_train_step(self.cfg, algos.LossConfig(kl_coef=0.001), self.opt, self.mesh,
-                                          tokens_per_device=budget, **shapes)
+                                          tokens_per_device=budget, chunk_size=chunk, **shapes)
         self.jax = jax
 
     def __call__(self, batch):
@@ -155,6 +157,8 @@ def main(argv=None) -> int:
     where.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 (4 layers, hidden 256)")
     ap.add_argument("--forms", default="unrolled", help=f"comma-separated, of {', '.join(FORMS)}")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=256,
+                    help="model.logprob_chunk: targets per packed row in each vocabulary chunk (configs/smollm2.py:cpu: 64)")
     ap.add_argument("--json", type=Path, help="write the records here")
     args = ap.parse_args(argv)
     forms = [f for f in args.forms.split(",") if f]
@@ -179,7 +183,7 @@ def main(argv=None) -> int:
           f"hidden {hf.model.config.hidden_size}, vocabulary {hf.model.config.vocab_size}", flush=True)
     sides, first = {}, {}
     for form in forms:
-        sides[form] = Ours(folder, form)
+        sides[form] = Ours(folder, form, args.chunk)
         first[form] = timed(sides[form], batch)
         print(f"ours {form}: first call (trace + compile + one step) {first[form]:.1f} s", flush=True)
     hf(batch)  # warm-up

@@ -53,7 +53,8 @@ def get_config(arg: str = "cpu,grpo_ar_lopti"):
     if scale == "cpu":
         c.model.dtype = "float32"
         c.model.remat = False
-        c.model.unroll_layers = True  # the train step runs 16% faster unrolled, for 10 s more compiling
+        c.model.unroll_layers = False  # scanned: 1.25x faster update and 2.6x less compiling than unrolled (issue 68)
+        c.model.logprob_chunk = 64  # the vocabulary projection skips chunks of padding targets at this grain
         c.rollout.length_aware = False  # 48-token responses: the dense sampler's few programs compile faster
         c.loss.kl_coef = 0.0  # no reference pass: a third less compute per step on 2 cores
         c.optim.lr = 1e-5

@@ -77,7 +77,8 @@ import dataclasses
 
 import numpy as np
 
-ROW_QUANTUM = 64  # row lengths are multiples of this (or the whole budget)
+ROW_QUANTUM = 64  # row lengths are multiples of this (or the whole budget) on GPUs and TPUs
+CPU_ROW_QUANTUM = 16  # and on the CPU (journal, issue 68: 32 rows of 144 tokens fill rows of 288, not 320)
 ROW_LADDER = 1.2  # consecutive row lengths differ by at least this factor (few compiled shapes)
 
 
@@ -146,21 +147,23 @@ class Shapes:
         return rows_per_device * length
 
 
-def shapes_for(tokens_per_device: int, longest: int | None = None, row_lengths: int = 2, fills: int = 4) -> Shapes:
+def shapes_for(tokens_per_device: int, longest: int | None = None, row_lengths: int = 2, fills: int = 4,
+               quantum: int = ROW_QUANTUM) -> Shapes:
     """The shape set of a budget of ``tokens_per_device`` for sequences of at most ``longest``
     tokens (default: the budget): ``row_lengths`` row lengths, the longest twice ``longest``
-    (room for a group's prompt and several of its responses) rounded up to ROW_QUANTUM but at
-    most the budget, each next one half the one before (down to ROW_QUANTUM); ``fills`` row
-    counts each (``Shapes``)."""
+    (room for a group's prompt and several of its responses) rounded up to ``quantum`` but at
+    most the budget, each next one half the one before (down to ``quantum``); ``fills`` row
+    counts each (``Shapes``). ``quantum``: ROW_QUANTUM for accelerators' tiles, CPU_ROW_QUANTUM on
+    the CPU (``rl/run_setup.pack_shapes``), where a row's slots past its sequences are pure cost."""
     if row_lengths < 1 or fills < 1:
         raise ValueError(f"row_lengths={row_lengths} and fills={fills}: each must be >= 1")
     longest = tokens_per_device if longest is None else longest
     if longest > tokens_per_device:
         raise ValueError(f"sequences of up to {longest} tokens do not fit tokens_per_device={tokens_per_device}")
-    length = min(tokens_per_device, -(-2 * longest // ROW_QUANTUM) * ROW_QUANTUM)
+    length = min(tokens_per_device, -(-2 * longest // quantum) * quantum)
     ladder = [length]
-    while len(ladder) < row_lengths and ladder[-1] > ROW_QUANTUM:
-        ladder.append(max(ROW_QUANTUM, -(-ladder[-1] // 2 // ROW_QUANTUM) * ROW_QUANTUM))
+    while len(ladder) < row_lengths and ladder[-1] > quantum:
+        ladder.append(max(quantum, -(-ladder[-1] // 2 // quantum) * quantum))
     return Shapes(tokens_per_device, tuple(sorted(set(ladder))), fills)
 
 

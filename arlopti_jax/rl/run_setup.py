@@ -289,8 +289,11 @@ def pack_shapes(config, mesh) -> algos.packing.Shapes:
     fixed by the config, so every program of those passes is known before the first step."""
     tokens = tokens_per_micro_batch(config, mesh)
     longest = config.data.max_prompt_length + config.rollout.max_response_length
+    cpu = mesh.devices.flat[0].platform == "cpu"  # no tiles to fill there: rows as short as the sequences allow
+    quantum = algos.packing.CPU_ROW_QUANTUM if cpu else algos.packing.ROW_QUANTUM
     try:
-        return algos.packing.shapes_for(tokens, longest, config.train.pack_row_lengths, config.train.pack_fills)
+        return algos.packing.shapes_for(tokens, longest, config.train.pack_row_lengths, config.train.pack_fills,
+                                        quantum)
     except ValueError as err:
         raise ValueError(f"config.train.max_tokens_per_micro_batch={config.train.max_tokens_per_micro_batch} (a "
                          f"packed micro-batch of {tokens} tokens per device; train.pack_row_lengths="
