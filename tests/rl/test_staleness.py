@@ -4,7 +4,10 @@ version t - 1 (read from the stamped versions in metrics.jsonl), a run repeats e
 the same run with its jobs in the main thread, the 'tis' correction trains, and a killed and
 resumed run equals the uninterrupted one."""
 
+import os
+import subprocess
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,12 +101,12 @@ def staleness_values(sp, run_dir, **extra):
 def one_step_off(start_point, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("staleness") / "a"
     summary = train(make_config(staleness_values(start_point, run_dir)))
-    return summary, step_metrics(run_dir)
+    return summary, step_metrics(run_dir), run_dir
 
 
 @pytest.mark.slow
 def test_every_update_consumes_the_batch_of_the_version_before(one_step_off):
-    summary, records = one_step_off
+    summary, records, _ = one_step_off
     assert sorted(records) == [1, 2, 3, 4]
     for step in range(4):  # metrics of step t are recorded at t + 1
         rec = records[step + 1]
@@ -119,7 +122,7 @@ def test_every_update_consumes_the_batch_of_the_version_before(one_step_off):
 
 @pytest.mark.slow
 def test_a_run_repeats_and_its_thread_changes_nothing(one_step_off, start_point, tmp_path, monkeypatch):
-    _, want = one_step_off
+    _, want, _ = one_step_off
     train(make_config(staleness_values(start_point, tmp_path / "again")))
     assert step_metrics(tmp_path / "again") == want
     inline = pipeline.Pipeline.__init__
@@ -135,8 +138,32 @@ def test_a_run_repeats_and_its_thread_changes_nothing(one_step_off, start_point,
 @pytest.mark.slow
 def test_killed_and_resumed_equals_uninterrupted(one_step_off, start_point, tmp_path):
     """SIGKILL once checkpoint 2 is complete (batch 2, sampled by version 1, in flight), then resume=auto."""
-    _, want = one_step_off
+    _, want, _ = one_step_off
     values = staleness_values(start_point, tmp_path / "b")
-    kill_after_checkpoint(values)
+    helpers = str(Path(__file__).resolve().parents[1] / "helpers")  # reward_fixtures, for the child process
+    kill_after_checkpoint(values, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [helpers, os.environ.get("PYTHONPATH", "")])})
     train(make_config({**values, "resume": "auto"}))
     assert step_metrics(tmp_path / "b") == want
+
+
+@pytest.mark.slow
+def test_a_correction_without_two_policies_and_another_schedule_on_resume_stop_at_start_up(one_step_off, start_point,
+                                                                                            tmp_path):
+    """One ``error:`` line each under ARLOPTI_STARTUP_CHECK=1, before any weights load: 'tis' on the
+    on-policy loop, and resuming the k = 1 run's folder with k = 0."""
+    from arlopti_jax.config.cli import STARTUP_CHECK_ENV
+    from run_fixtures import cli
+
+    def error_line(values):
+        proc = subprocess.run(cli(values), capture_output=True, text=True, timeout=600,
+                              env={**os.environ, STARTUP_CHECK_ENV: "1"})
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        return errors[0]
+
+    line = error_line(overrides(start_point, tmp_path / "c", **{"rollout.correction": "tis"}))
+    assert line.startswith("error: config.rollout.correction='tis' is invalid: corrects pi_old")
+    _, _, run_dir = one_step_off
+    line = error_line({**overrides(start_point, run_dir), "rollout.max_staleness": 0})
+    assert "config.rollout.max_staleness=0 but the checkpoint" in line and "written with 1" in line
