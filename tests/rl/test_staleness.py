@@ -167,3 +167,27 @@ def test_a_correction_without_two_policies_and_another_schedule_on_resume_stop_a
     _, _, run_dir = one_step_off
     line = error_line({**overrides(start_point, run_dir), "rollout.max_staleness": 0})
     assert "config.rollout.max_staleness=0 but the checkpoint" in line and "written with 1" in line
+
+
+@pytest.mark.slow
+def test_a_stop_signal_saves_stops_the_sampler_and_the_resumed_run_equals_uninterrupted(one_step_off, start_point,
+                                                                                         tmp_path):
+    """SIGTERM as step 2's metrics record is written (batch 2 in flight, batch 3 perhaps being
+    sampled): checkpoint 2 saved, the sampler's thread stopped, exit 75; resume=auto then finishes
+    with the uninterrupted run's records."""
+    import re
+
+    from arlopti_jax.runtime import faults
+    from run_fixtures import cli
+
+    _, want, _ = one_step_off
+    values = staleness_values(start_point, tmp_path / "run")
+    helpers = str(Path(__file__).resolve().parents[1] / "helpers")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([helpers, os.environ.get("PYTHONPATH", "")]),
+           faults.ENV: "metrics:2", faults.SIGNAL_ENV: "SIGTERM"}
+    proc = subprocess.run(cli(values), capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75 and re.search(r"received SIGTERM: checkpoint 2 saved", out), out[-3000:]
+    assert max(step_metrics(tmp_path / "run")) == 2
+    train(make_config({**values, "resume": "auto"}))
+    assert step_metrics(tmp_path / "run") == want
