@@ -147,7 +147,7 @@ class Pipeline:
         a run resumed with more steps."""
         snap = self.snapshots.get(step) or self.snapshot(step, trained)
         batch = step + self.k
-        if batch < self.steps and batch == self.next_batch:
+        if batch < self.steps:
             self._hand_over(batch, snap)
 
     def _hand_over(self, batch: int, snap: Snapshot) -> None:
