@@ -12,6 +12,8 @@ from arlopti_jax.algos.diagnostics import (isolation_experiment, make_quartile_g
 from arlopti_jax.algos.losses import (AGG_MODES, KL_ESTIMATORS, LOSS_MODES, RATIO_LEVELS, LossConfig,
                                       aggregation_weights, cispo_loss, clipped_surrogate, kl_penalty,
                                       loss_mode_conflict, policy_loss, ppo_clipped_loss, sequence_ids, sequence_mean)
+from arlopti_jax.algos.off_policy import (CORRECTIONS, CorrectionConfig, correct_passes, correction_weights,
+                                          mismatch_metrics, sequence_log_ratio)
 from arlopti_jax.algos.token_weights import (LoptiConfig, TokenWeightConfig, entropy_top_mask, lopti_masks,
                                              lopti_threshold, prepare_updates, register_token_weighting,
                                              token_weightings, weight_advantages)
@@ -27,6 +29,8 @@ __all__ = [
     "AGG_MODES", "KL_ESTIMATORS", "LOSS_MODES", "RATIO_LEVELS", "LossConfig", "aggregation_weights", "cispo_loss",
     "clipped_surrogate", "kl_penalty", "loss_mode_conflict", "policy_loss", "ppo_clipped_loss", "sequence_ids",
     "sequence_mean",
+    "CORRECTIONS", "CorrectionConfig", "correct_passes", "correction_weights", "mismatch_metrics",
+    "sequence_log_ratio",
     "LoptiConfig", "TokenWeightConfig", "entropy_top_mask", "lopti_masks", "lopti_threshold", "prepare_updates",
     "register_token_weighting", "token_weightings", "weight_advantages",
     "SCHEDULES", "OptimConfig", "TrainStep", "current_lr", "init_opt_state", "make_compute_logprobs",

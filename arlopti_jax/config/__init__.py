@@ -40,6 +40,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "model.dtype": DTYPES, "model.param_dtype": DTYPES, "model.attention": ATTENTION_IMPLS,
             "model.decode_attention": DECODE_ATTENTION_IMPLS,
             "model.decode_matmul": DECODE_MATMUL_IMPLS, "rollout.whole_weights": WHOLE_WEIGHTS,
+            "rollout.correction": algos.CORRECTIONS,
             "data.prompt_style": PROMPT_STYLES}
 
 
@@ -89,6 +90,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.phase_tokens = 0  # response slots of the first decode phase; 0 = max_response_length / 4 (power of 2)
     c.rollout.min_rows = 16  # rows per device below which finished rows are no longer compacted away
     c.rollout.whole_weights = "auto"  # the sampler's weights whole along the batch axes: auto, on, off
+    # the sampling loop: the update of step t consumes the batch sampled k policy versions earlier (rl/pipeline.py)
+    c.rollout.max_staleness = 0  # k; 0 = on-policy (sample, then update, one after the other)
+    c.rollout.correction = "none"  # none | tis | seq_mask: the pi_old / behaviour-policy gap (algos/off_policy.py)
+    c.rollout.tis_cap = 2.0  # tis: C of min(pi_old / pi_behaviour, C)
+    c.rollout.seq_mask_bound = 1.01  # seq_mask: keep a response whose geometric-mean ratio is in [1/B, B]
 
     c.algo = ml_collections.ConfigDict()
     c.algo.adv_estimator = "grpo"
@@ -300,6 +306,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(a.overlong_penalty >= 0, "algo.overlong_penalty", a.overlong_penalty, "must be >= 0")
     _check(c.rollout.phase_tokens >= 0, "rollout.phase_tokens", c.rollout.phase_tokens, "must be >= 0 (0 = auto)")
     _check(c.rollout.min_rows >= 1, "rollout.min_rows", c.rollout.min_rows, "must be >= 1")
+    k = c.rollout.max_staleness
+    _check(type(k) is int and k >= 0, "rollout.max_staleness", k,
+           "must be an integer >= 0 (0 = on-policy; k = the update of step t consumes the batch sampled by the "
+           "policy of step t - k)")
+    _check(c.rollout.correction == "none" or k >= 1 or c.rollout.recompute_old_logprobs, "rollout.correction",
+           c.rollout.correction, "corrects pi_old against the sampler's log-probs, and with rollout.max_staleness=0 "
+           "and rollout.recompute_old_logprobs=False pi_old is the sampler's: set one of them, or correction='none'")
+    _check(math.isfinite(c.rollout.tis_cap) and c.rollout.tis_cap >= 1, "rollout.tis_cap", c.rollout.tis_cap,
+           "must be a finite number >= 1 (the cap on pi_old / pi_behaviour, whose on-policy value is 1)")
+    _check(math.isfinite(c.rollout.seq_mask_bound) and c.rollout.seq_mask_bound > 1, "rollout.seq_mask_bound",
+           c.rollout.seq_mask_bound, "must be a finite number > 1 (responses whose geometric-mean ratio leaves "
+           "[1/B, B] are masked)")
     _check(c.distributed.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", c.distributed.heartbeat_timeout_s,
            "must be >= 1")
     _check(c.reward.workers >= 0, "reward.workers", c.reward.workers, "must be >= 0")

@@ -73,7 +73,8 @@ FIELD_DOCS = {
                                 "last token is in the response (and the loss) either way",
     "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this) of the longest prompt "
                              "in the run's data: one prompt width per run",
-    "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler",
+    "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler (always so "
+                                      "with max_staleness >= 1)",
     "rollout.length_aware": "decode cost follows the responses' real lengths: the KV cache grows in phases and "
                             "finished rows are dropped from the batch; False = every step over all slots and rows "
                             "(the same tokens and log-probs)",
@@ -86,6 +87,24 @@ FIELD_DOCS = {
                              "over tensor still), so no decode step gathers them: 'auto' (on a GPU or TPU, where "
                              "fsdp or data splits the weights and the copy takes at most an eighth of a device's "
                              "memory), 'on', 'off'",
+    "rollout.max_staleness": "k, the policy versions the sampler may run ahead of the update: step t's update "
+                             "consumes the batch sampled by the policy of step t - k (batch b by version "
+                             "max(0, b - k): the initial policy samples batches 0 to k), pi_old recomputed by the "
+                             "trainer at step t; the sampler waits, never drops a batch, and each batch's version is "
+                             "checked (`sampler/version`, `sampler/lag`); with one process it samples and scores the "
+                             "next batches in a thread while the update runs, on the trainer's own devices "
+                             "(rl/pipeline.py); a checkpoint holds the k versions that sample the batches in flight; "
+                             "0 = on-policy",
+    "rollout.correction": "the gap between pi_old and the behaviour policy (the sampler's log-probs), on the "
+                          "policy-gradient term alone: `none`, `tis` (each token's weight min(pi_old / pi_behaviour, "
+                          "tis_cap)) or `seq_mask` (a response whose geometric-mean ratio leaves [1/seq_mask_bound, "
+                          "seq_mask_bound] gets weight 0); needs max_staleness >= 1 or recompute_old_logprobs "
+                          "(algos/off_policy.py)",
+    "rollout.tis_cap": "`tis`: C, the cap on a token's importance weight pi_old / pi_behaviour (verl's "
+                       "`rollout_is_threshold`, 2 by default there too)",
+    "rollout.seq_mask_bound": "`seq_mask`: B, a response is kept while exp(mean over its tokens of log pi_old - log "
+                              "pi_behaviour) is within [1/B, B] (SkyRL's geometric mask, [0.99, 1.01] in its fully "
+                              "asynchronous example)",
     "algo.adv_estimator": "`grpo`, `reinforce_plus_plus`, `rloo`, `dr_grpo`",
     "algo.weighting": "token weights: `none`, `ar` (Advantage Reweighting), `tr` (TR-GRPO)",
     "algo.ar_alpha": "AR alpha (paper: 0.2 alone, 0.3 with Lopti)",

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arlopti_jax import algos
+from arlopti_jax.rl import pipeline as sampling_loop
 from arlopti_jax.rl import resume, run_setup, warm_up
 from arlopti_jax.runtime import compiles, paths
 from arlopti_jax.runtime import distributed as dist
@@ -96,13 +97,16 @@ def train(config, inputs: run_setup.Inputs | None = None) -> dict:
     """Run training per ``config``; returns the final summary (also printed). ``inputs``: the
     run's ``run_setup.prepare_inputs(config)``, when start-up has made them already."""
     compile_log = compiles.watch()
+    closing = []  # what the run started and must stop however it ends (the sampling loop's thread)
     try:
-        return _train(config, inputs, compile_log)
+        return _train(config, inputs, compile_log, closing)
     finally:
+        for close in closing:
+            close()
         compile_log.warm(False)  # the warm-up is this run's: a later run in this process warms up again
 
 
-def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.CompileLog) -> dict:
+def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.CompileLog, closing: list) -> dict:
     started = time.time()
     compiled_before = compile_log.programs, compile_log.seconds  # this process may have compiled before the run
     folder = paths.RunFolder(config.run_dir)  # a bucket's run folder: its records staged on this host
@@ -118,8 +122,14 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
                              pad_id=run_setup.pad_id(policy), total_steps=steps, prompt_width=inputs.longest_prompt)
     train_step = run.train_step
 
+    staleness = config.rollout.max_staleness  # k >= 1: batches sampled up to k versions ahead (rl/pipeline.py)
+    recompute = config.rollout.recompute_old_logprobs or staleness >= 1  # pi_old: the trainer's own pass
+    correction = run_setup.correction_config(config)
     ckpt = resume.checkpointer(config)
-    restored = resume.restore_from(config, ckpt, resume.saved_state(model_cfg, run.state))
+    target = resume.saved_state(model_cfg, run.state)
+    if staleness:  # the versions that sample the batches in flight (pipeline.checkpoint_versions)
+        target["sampler_params"] = (target["params"],) * staleness
+    restored = resume.restore_from(config, ckpt, target)
     ref_params = None
     if run.use_reference:  # frozen: never donated; with LoRA the base itself, adapters off (no copy)
         ref_params = lora.adapters_off(policy.params) if model_cfg.lora_rank else policy.params
@@ -154,6 +164,21 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     collect = Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, timer)
     history = {"before": None, "after": None, "reward": [], "eval_settings": evaluator.settings}
     warm_up.compile_rollouts(run, evaluator, params, jax.random.fold_in(key, start_step))  # before step 1
+    loop = None
+    if staleness:  # the sampler's own collector and timer: its jobs may run in a thread
+        sampler_timer = Timer()
+        loop = sampling_loop.Pipeline(
+            Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, sampler_timer), sampler_timer,
+            iterator, key, staleness, steps, frozen=lora.trainable(model_cfg, params)[1],
+            background=jax.process_count() == 1)
+        closing.append(loop.close)
+        if restored is None:
+            loop.snapshot(0, lora.trainable(model_cfg, params)[0])
+        else:
+            for version, trained in zip(sampling_loop.checkpoint_versions(start_step, staleness),
+                                        restored[1]["sampler_params"]):
+                loop.adopt(version, trained)
+        loop.start(start_step)
 
     def evaluate(step):
         with timer("eval"):
@@ -173,6 +198,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             writer.flush()
             folder.sync()
         state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
+        if loop is not None:  # with the trained part of the versions that sample the batches in flight
+            state["sampler_params"] = loop.checkpoint_params(step)
         began = time.monotonic()
         ckpt.save(step, resume.saved_state(model_cfg, state),
                   resume.checkpoint_record(config, step, iterator.state_dict() if data_state is None else data_state,
@@ -213,27 +240,49 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
     stopped = False
     for step in bar:
-        step_key = jax.random.fold_in(key, step)
-        data_before = iterator.state_dict()  # where a checkpoint of this step's start resumes the data
         # 1-2. sample G responses per prompt with the current policy (each process its block of
         # the prompts) and score them on host; with filter_groups, more rounds replace zero-advantage
         # groups. The global batch then goes to every process's host (the update packs it there).
-        sampled = collect(params, iterator, step_key)
+        # With max_staleness k >= 1 the sampling loop made this step's batch with version step - k,
+        # and is handed this version now for batch step + k.
+        schedule = {}
+        if loop is None:
+            step_key = jax.random.fold_in(key, step)
+            data_before = iterator.state_dict()  # where a checkpoint of this step's start resumes the data
+            sampled = collect(params, iterator, step_key)
+            data_after = None  # the iterator's own position
+        else:
+            loop.advance(step, lora.trainable(model_cfg, params)[0])
+            scheduled, waited = loop.take(step)
+            sampled, data_before, data_after = scheduled.step_batch, scheduled.data_before, scheduled.data_after
+            for phase, seconds in scheduled.timings.items():
+                timer.seconds[phase] = timer.seconds.get(phase, 0.0) + seconds
+            schedule = {"sampler/version": float(scheduled.version), "sampler/lag": float(step - scheduled.version),
+                        "time/sampler_busy": scheduled.busy_s, "time/sampler_wait": scheduled.wait_s,
+                        "time/trainer_wait": waited}
         if stop_now(step, data_before):  # before the update: the stop's save comes sooner
             stopped = True
             break
         batch = {k: dist.to_host(v) for k, v in sampled.batch.items()}
         rewards, group_ids = dist.to_host(sampled.rewards), dist.to_host(sampled.group_ids)
+        behaviour = batch["old_logprobs"]  # the sampler's log-probs
         entropies = None  # pi_old's, for the high-entropy selection (algo.entropy_top_fraction)
         if run.weight_cfg.entropy_top_fraction:
             old, entropies = run.logprobs(params, batch, with_entropy=True)
-            if config.rollout.recompute_old_logprobs:
+            if recompute:
                 batch["old_logprobs"] = old
-        elif config.rollout.recompute_old_logprobs:
+        elif recompute:
             batch["old_logprobs"] = run.logprobs(params, batch)
-        # 3-4. advantages, token weights (AR / TR, the entropy selection) and the Lopti split, as update passes
+        # 3-4. advantages, token weights (AR / TR, the entropy selection) and the Lopti split, as update
+        # passes: all read pi_old; then the off-policy correction of the policy-gradient term
         passes = algos.prepare_updates(run.adv_cfg, run.weight_cfg, run.lopti_cfg, rewards, group_ids,
                                        batch["response_mask"], batch["old_logprobs"], entropies)
+        offpolicy = {}
+        if recompute:
+            offpolicy = algos.mismatch_metrics(correction, batch["old_logprobs"], behaviour, batch["response_mask"])
+            if correction.enabled:
+                passes = algos.correct_passes(passes, algos.correction_weights(
+                    correction, batch["old_logprobs"], behaviour, batch["response_mask"]))
         if run.use_reference:
             batch["ref_logprobs"] = run.logprobs(ref_params, batch)
         diagnostics = {}
@@ -251,6 +300,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         with timer("update"):
             params, opt_state, pass_metrics = algos.update_on_batch(
                 train_step, params, opt_state, batch, passes, config.train.mini_batch, epochs=epochs)
+        if loop is not None:
+            loop.release(step + 1)  # the copies no batch in flight or checkpoint of step + 1 needs
         # 6. metrics
         seconds = timer.pop()
         generated = int(sampled.lengths.sum())
@@ -258,7 +309,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         packed = train_step.processed_since(mark)  # what the passes forwarded: a shared prompt once per row
         metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.correct, sampled.lengths,
                                      sampled.truncated, n),
-                   **sampled.stats, **diagnostics,
+                   **sampled.stats, **diagnostics, **schedule, **offpolicy,
                    **update_metrics(pass_metrics, run.lopti_cfg, epochs),
                    **quartile_metrics(batch, sum(dist.to_host(a) for a, _ in passes)),
                    **{f"time/{k}": v for k, v in seconds.items()},
@@ -270,7 +321,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
                    # a shape not seen before compiles inside its phase's time
                    "compile/programs": float(compile_log.programs - compiled_before[0]),
                    "compile/seconds": compile_log.seconds - compiled_before[1],
-                   "train/epoch": iterator.epoch}
+                   "train/epoch": iterator.epoch if data_after is None else data_after["epoch"]}
         util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
         if util is not None:
             metrics["throughput/train_mfu"] = util
@@ -296,7 +347,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         every_s = config.train.save_every_s  # a checkpoint every so many seconds too (the hosts agree)
         timely = bool(every_s) and dist.any_process(time.monotonic() - saved["time"] >= every_s)
         if done % config.train.save_every == 0 or done == steps or timely or stop:
-            save(done, eval_pending=due and stop, stopping=stop)
+            save(done, eval_pending=due and stop, data_state=data_after, stopping=stop)
         if stop:
             stopped_at(done)
             stopped = True

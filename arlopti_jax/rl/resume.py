@@ -21,8 +21,9 @@ from arlopti_jax.store.checkpoint import Checkpointer, array_metadata, compare_t
 # the model fields that shape or scale the parameters a checkpoint holds: a checkpoint is read
 # with its own values (eval, export) or refused under others (resume)
 PARAM_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "param_dtype")
-# the fields that fix the training data's order: a resumed run must keep them
-DATA_FIELDS = ("train.batch_prompts", "data.train_files", "data.shuffle_seed")
+# the fields that fix the training data's order, and which policy version samples each batch
+# (a checkpoint holds the versions of the batches in flight: rl/pipeline.py): a resumed run must keep them
+DATA_FIELDS = ("train.batch_prompts", "data.train_files", "data.shuffle_seed", "rollout.max_staleness")
 
 
 def model_settings(config) -> dict:
@@ -160,8 +161,8 @@ def check_checkpoint(config, model_cfg: ModelConfig, iterator=None, folder: Path
         mine, theirs_value = (json.loads(json.dumps(v)) for v in (config[group][name], saved[group][name]))
         if _value(mine) != _value(theirs_value):
             raise ValueError(f"config.{field}={_value(mine)} but the checkpoint {folder} was written with "
-                             f"{_value(theirs_value)}: a resumed run keeps its data order; resume with "
-                             f"--config.{field}={_value(theirs_value)}, or use another run_dir")
+                             f"{_value(theirs_value)}: a resumed run keeps its data order and sampling schedule; "
+                             f"resume with --config.{field}={_value(theirs_value)}, or use another run_dir")
     if resuming and iterator is not None and "data" in meta:
         try:
             iterator.check_state(meta["data"])

@@ -325,6 +325,13 @@ def algo_configs(config):
     return adv, weights, lopti, loss
 
 
+def correction_config(config) -> algos.CorrectionConfig:
+    """The off-policy correction of ``rollout.correction`` (``algos/off_policy.py``)."""
+    r = config.rollout
+    return algos.CorrectionConfig(kind=r.get("correction", "none"), tis_cap=r.get("tis_cap", 2.0),
+                                  seq_mask_bound=r.get("seq_mask_bound", 1.01))
+
+
 def optim_config(config, total_rl_steps: int | None) -> algos.OptimConfig:
     """The config's AdamW settings, its schedule counted in optimizer steps over ``total_rl_steps``
     (None: a command that never updates, eval or export, which needs the optimizer state's shapes

@@ -91,6 +91,11 @@ def test_reference_config_table_is_the_generated_one():
     ("model.attention", "flash", "model.attention='flash' is invalid: allowed values are ['auto', 'xla', 'cudnn']"),
     ("model.decode_attention", "cudnn",
      "model.decode_attention='cudnn' is invalid: allowed values are ['auto', 'xla', 'pallas']"),
+    ("rollout.max_staleness", -1, "rollout.max_staleness=-1 is invalid: must be an integer >= 0"),
+    ("rollout.correction", "is", "rollout.correction='is' is invalid: allowed values are ['none', 'tis', 'seq_mask']"),
+    ("rollout.correction", "tis", "rollout.correction='tis' is invalid: corrects pi_old against the sampler's"),
+    ("rollout.tis_cap", 0.5, "rollout.tis_cap=0.5 is invalid: must be a finite number >= 1"),
+    ("rollout.seq_mask_bound", 1.0, "rollout.seq_mask_bound=1.0 is invalid: must be a finite number > 1"),
 ])
 def test_new_fields_are_validated(field, value, message):
     c = base_config()

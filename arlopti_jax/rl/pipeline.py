@@ -1,0 +1,199 @@
+"""The sampling loop: batches sampled up to k policy versions ahead of the update (``rollout.max_staleness``).
+
+The schedule is fixed, so a run reproduces whatever the timing. Policy version v is the parameters
+after v updates (version 0: the initial policy). Batch b is the one step b's update consumes; it
+is sampled by version
+
+    sampling_version(b, k) = max(0, b - k)
+
+so the initial policy samples batches 0 to k, and from step k on every update consumes a batch k
+versions old (the lag, ``sampler/lag``, is min(b, k)). The sampler never runs ahead of that: the job
+for batch b + k is handed version b only when step b begins, so it waits for the version, and
+every batch it starts is finished and consumed (none dropped, none reordered). Each batch carries
+the version that sampled it, stamped from the parameters the job was given, and ``take`` refuses a
+batch whose version is not the schedule's: a wrong lag is an error, never silent staleness. DAPO's
+refill rounds (``algo.filter_groups``) are the ``Collector``'s, so they run here with the batch's
+own version. Keys and prompts are those of the synchronous loop: batch b draws
+``fold_in(key, b)`` and the iterator's next prompts, in batch order.
+
+Where: the sampler runs on the trainer's mesh (colocated). With one process its jobs run in a
+worker thread, one after another, so sampling and the host's reward scoring of the next batches
+overlap the update (the devices are shared: on one accelerator the overlap is mostly host work).
+With several processes the jobs run in the main thread at the point they are handed over: every
+process must launch its programs in the same order, which a second thread per process would not
+keep. Either way the records are the same.
+
+The sampler reads its own copy of the trained parameters (``snapshot``: one program copies them,
+with LoRA the adapters alone; the frozen base is shared), since the update donates the trainer's.
+The copies of the versions still needed are kept: those of the batches in flight, which a
+checkpoint of step s also holds (``checkpoint_versions``: the k versions max(0, s + j - k), j < k,
+that sample batches s to s + k - 1), so a resumed run samples those batches again exactly, from
+the same data position (the batch's ``data_before``) with the same keys.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from arlopti_jax.models import lora
+
+
+def sampling_version(batch: int, k: int) -> int:
+    """The policy version that samples batch ``batch`` under staleness ``k``."""
+    return max(0, batch - k)
+
+
+def checkpoint_versions(step: int, k: int) -> list[int]:
+    """The versions a checkpoint of ``step`` holds: one per batch in flight, step to step + k - 1."""
+    return [sampling_version(step + j, k) for j in range(k)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A policy version's trained parameters, the sampler's own copy."""
+
+    version: int
+    params: Any
+
+
+@dataclasses.dataclass
+class Sampled:
+    """One scheduled batch: ``step_batch`` (``collect.StepBatch``) sampled by policy ``version``.
+
+    data_before, data_after  the iterator's position before and after its prompts
+    busy_s       the sampler's seconds on it;  wait_s  the sampler's idle seconds before it started
+    timings      the collector's phases (rollout, reward) on it
+    """
+
+    batch: int
+    version: int
+    step_batch: Any
+    data_before: dict
+    data_after: dict
+    busy_s: float
+    wait_s: float
+    timings: dict[str, float]
+
+
+class _Inline:
+    """An executor that runs each job when it is submitted (several processes)."""
+
+    def submit(self, fn, *args):
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # raised again by take(), as the thread's would be
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
+
+
+class Pipeline:
+    """The schedule above for staleness ``k`` >= 1. ``collect(params, iterator, key)``: a
+    ``Collector`` with its own timer (``timer``, popped after each batch); ``frozen``: the parameters
+    the update never changes (a LoRA base; ``{}`` otherwise); ``background``: jobs in a worker
+    thread (one process) or at hand-over (several)."""
+
+    def __init__(self, collect: Callable, timer, iterator, key, k: int, steps: int, frozen: dict,
+                 background: bool):
+        if k < 1:
+            raise ValueError(f"Pipeline: max_staleness={k}: must be >= 1 (0 is the synchronous loop)")
+        self.collect, self.timer, self.iterator, self.key = collect, timer, iterator, key
+        self.k, self.steps, self.frozen = k, steps, frozen
+        self.snapshots: dict[int, Snapshot] = {}
+        self.pending: collections.deque = collections.deque()  # (batch, future), in batch order
+        self.next_batch = None  # the next batch to hand over
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "sampler") if background else _Inline()
+        self._free_since = time.perf_counter()
+        self._copy = None
+
+    def snapshot(self, version: int, trained) -> Snapshot:
+        """``trained`` (the trained part of version ``version``'s parameters) copied by one program."""
+        if self._copy is None:
+            shardings = jax.tree.map(lambda x: x.sharding, trained)
+
+            def sampler_copy(tree):  # named: the compile log shows it
+                return jax.tree.map(jnp.copy, tree)
+
+            self._copy = jax.jit(sampler_copy, out_shardings=shardings)
+        snap = Snapshot(version, self._copy(trained))
+        self.snapshots[version] = snap
+        return snap
+
+    def adopt(self, version: int, trained) -> None:
+        """Take ``trained`` as version ``version``'s copy as it is (a checkpoint's arrays, restored)."""
+        self.snapshots[version] = Snapshot(version, trained)
+
+    def start(self, step: int) -> None:
+        """Hand over the batches ``step`` to ``step + k - 1`` (those before the first ``advance``),
+        each with its version's copy (``snapshot`` or ``adopt`` made them)."""
+        self.next_batch = step
+        for batch in range(step, min(step + self.k, self.steps)):
+            self._hand_over(batch, self.snapshots[sampling_version(batch, self.k)])
+
+    def advance(self, step: int, trained) -> None:
+        """At the start of ``step`` (before its update): copy version ``step``'s trained parameters
+        ``trained`` and hand over batch ``step + k``, which it samples. The copy is made at the last k
+        steps too, where that batch lies past the run's end: a checkpoint of step + 1 holds it, for
+        a run resumed with more steps."""
+        snap = self.snapshots.get(step) or self.snapshot(step, trained)
+        batch = step + self.k
+        if batch < self.steps:
+            self._hand_over(batch, snap)
+
+    def _hand_over(self, batch: int, snap: Snapshot) -> None:
+        if batch != self.next_batch:
+            raise RuntimeError(f"sampling loop: batch {batch} handed over out of order (expected {self.next_batch})")
+        self.pending.append((batch, self._executor.submit(self._job, batch, snap)))
+        self.next_batch = batch + 1
+
+    def _job(self, batch: int, snap: Snapshot) -> Sampled:
+        started = time.perf_counter()
+        wait = started - self._free_since
+        data_before = self.iterator.state_dict()
+        params = lora.whole(snap.params, self.frozen)
+        step_batch = self.collect(params, self.iterator, jax.random.fold_in(self.key, batch))
+        data_after = self.iterator.state_dict()
+        timings = self.timer.pop()
+        self._free_since = done = time.perf_counter()
+        return Sampled(batch, snap.version, step_batch, data_before, data_after, done - started, wait, timings)
+
+    def take(self, step: int) -> tuple[Sampled, float]:
+        """(batch ``step``, the seconds the trainer waited for it), after checking its stamped
+        version against the schedule (RuntimeError otherwise)."""
+        if not self.pending or self.pending[0][0] != step:
+            raise RuntimeError(f"sampling loop: step {step} has no batch in flight "
+                               f"(in flight: {[b for b, _ in self.pending]})")
+        began = time.perf_counter()
+        sampled = self.pending.popleft()[1].result()
+        waited = time.perf_counter() - began
+        want = sampling_version(step, self.k)
+        if sampled.batch != step or sampled.version != want:
+            raise RuntimeError(f"sampling loop: step {step} got batch {sampled.batch} sampled by policy version "
+                               f"{sampled.version}, and max_staleness={self.k} schedules version {want} "
+                               f"(lag {step - sampled.version}, not {step - want})")
+        return sampled, waited
+
+    def checkpoint_params(self, step: int) -> tuple:
+        """The trained parameters of ``checkpoint_versions(step, k)``, for a checkpoint of ``step``."""
+        return tuple(self.snapshots[v].params for v in checkpoint_versions(step, self.k))
+
+    def release(self, step: int) -> None:
+        """Drop the copies that neither a batch from ``step`` on nor a checkpoint of ``step`` needs."""
+        keep = set(checkpoint_versions(step, self.k))
+        for version in [v for v in self.snapshots if v not in keep]:
+            del self.snapshots[version]
+
+    def close(self) -> None:
+        """Stop: batches not started are cancelled, a running one finishes."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
