@@ -64,7 +64,7 @@ def _rows_by_length(shapes: str) -> str:
 
 @pytest.mark.slow  # about 2 minutes on 2 cores: aot compiles the run's programs, then 4 RL steps
 def test_train_compiles_the_programs_aot_lists(start_point, tmp_path):
-    # 1,280 tokens per device: rows of 576 and 320 tokens, 5 shapes (1 row per device would leave one)
+    # 1,280 tokens per device: rows of two lengths (twice the longest sequence, then half; multiples of 16 on the CPU)
     # prompt widths bucketed by 8 tokens: the start point's prompts (81-111 tokens) span 4 buckets, so
     # batches of 4 prompts have longest prompts in different buckets
     # the length-aware sampler: phases of 8 and 16 slots, 4 rows per device then 2 (11 programs)
