@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", default="unrolled", help=f"comma-separated, of {', '.join(FORMS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=256,
-                    help="model.logprob_chunk: targets per packed row in each vocabulary chunk (configs/smollm2.py:cpu: 64)")
+                    help="model.logprob_chunk: targets per packed row in a vocabulary chunk (smollm2.py:cpu: 64)")
     ap.add_argument("--json", type=Path, help="write the records here")
     args = ap.parse_args(argv)
     forms = [f for f in args.forms.split(",") if f]
