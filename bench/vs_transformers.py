@@ -11,8 +11,8 @@ transformers in 4 of 8 rows (one would not fit this machine's memory beside ours
 ``algos.make_train_step`` with the trainer's shape set (``packing.shapes_for(budget, 144)``) as
 ``run_setup`` builds it. Each ``--forms`` entry is one build of ours:
 
-  unrolled   layers as straight-line code (``unroll_layers=True``, the SmolLM2 CPU config's choice)
-  scanned    layers in one loop (``unroll_layers=False``)
+  unrolled   layers as straight-line code (``unroll_layers=True``)
+  scanned    layers in one loop (``unroll_layers=False``, the SmolLM2 CPU config's choice since issue 68)
   remat      scanned, each layer recomputed in the backward pass (``remat=True``)
   noshapes   unrolled, without the shape set (rows as long as the budget allows)
 
