@@ -51,6 +51,7 @@ mkdir -p "$logs"
 echo "launch/local.sh: $num processes x $devices CPU devices, coordinator localhost:$port, logs in $logs" >&2
 
 pids=()
+declare -A process_of  # pid -> process id
 cleanup() {
   for pid in "${pids[@]}"; do
     kill -TERM "$pid" 2>/dev/null || true
@@ -78,25 +79,32 @@ for ((i = 0; i < num; i++)); do
     fi
   ) &
   pids+=("$!")
+  process_of[$!]=$i
 done
 
+# Poll rather than `wait -n`: processes that end together are reaped by bash before `wait -n PID...`
+# looks for them ("no such job"); `wait PID` still returns a reaped process's saved status.
 status=0
 running=("${pids[@]}")
 while [[ ${#running[@]} -gt 0 ]]; do
-  set +e
-  wait -n -p finished "${running[@]}"  # bash >= 5.1
-  code=$?
-  set -e
   left=()
   for pid in "${running[@]}"; do
-    [[ $pid == "$finished" ]] || left+=("$pid")
+    if kill -0 "$pid" 2>/dev/null; then
+      left+=("$pid")
+      continue
+    fi
+    set +e
+    wait "$pid"
+    code=$?
+    set -e
+    if [[ $code -ne 0 && $status -eq 0 ]]; then
+      status=$code
+      echo "launch/local.sh: process ${process_of[$pid]} (pid $pid) exited with status $code; stopping the others (logs in $logs)" >&2
+      cleanup
+    fi
   done
   running=("${left[@]}")
-  if [[ $code -ne 0 && $status -eq 0 ]]; then
-    status=$code
-    echo "launch/local.sh: process $finished exited with status $code; stopping the others (logs in $logs)" >&2
-    cleanup
-  fi
+  if [[ ${#running[@]} -gt 0 ]]; then sleep 0.2; fi
 done
 trap - EXIT
 exit "$status"
