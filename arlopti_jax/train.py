@@ -54,6 +54,7 @@ def main(argv) -> int:
         chips.print_backend()  # what it runs on, before anything is built
         validate(config, jax.device_count(), jax.default_backend(), shd.slice_count(jax.devices()))
         dist.validate(config, run_setup.make_mesh(config))
+        run_setup.make_sampler_mesh(config)  # a split the devices or processes cannot hold stops here
         # a missing path, a resume setting run_dir contradicts, unreadable data or a training set that
         # cannot fill one batch stops here, in one line
         inputs = run_setup.prepare_inputs(config)

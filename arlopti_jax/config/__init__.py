@@ -95,6 +95,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.correction = "none"  # none | tis | seq_mask: the pi_old / behaviour-policy gap (algos/off_policy.py)
     c.rollout.tis_cap = 2.0  # tis: C of min(pi_old / pi_behaviour, C)
     c.rollout.seq_mask_bound = 1.01  # seq_mask: keep a response whose geometric-mean ratio is in [1/B, B]
+    # the sampler's own devices: 0 = the trainer's mesh (colocated); N = the last N / processes of each process's
+    c.rollout.devices = 0
+    c.rollout.mesh = ml_collections.ConfigDict()  # the sampler's mesh over those devices (rollout.devices > 0)
+    c.rollout.mesh.data = -1
+    c.rollout.mesh.fsdp = 1
+    c.rollout.mesh.tensor = 1
 
     c.algo = ml_collections.ConfigDict()
     c.algo.adv_estimator = "grpo"
@@ -334,12 +340,29 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
 
     _check(c.mesh.dcn_data == -1 or c.mesh.dcn_data >= 1, "mesh.dcn_data", c.mesh.dcn_data,
            "must be -1 (every slice) or a slice count >= 1")
+    split = c.rollout.devices
+    _check(type(split) is int and split >= 0, "rollout.devices", split,
+           "must be an integer >= 0 (0 = the sampler shares the trainer's mesh)")
+    _check(not split or num_devices is None or split < num_devices, "rollout.devices", split,
+           f"must leave the trainer at least one of the {num_devices} devices")
+    _check(not split or num_slices == 1, "rollout.devices", split,
+           f"split meshes are laid out inside one TPU slice, and this job spans {num_slices}")
+    if split and num_devices is not None:
+        from arlopti_jax.runtime.sharding import mesh_sizes
+        try:
+            mesh_sizes(dict(c.rollout.mesh), split)
+        except ValueError as err:
+            raise ConfigError(f"config.rollout.mesh={dict(c.rollout.mesh)} is invalid for the sampler's "
+                              f"rollout.devices={split}: {err}") from None
+        num_devices -= split  # the trainer's
     if num_devices is not None:
         from arlopti_jax.runtime.sharding import mesh_sizes
         try:
             sizes = mesh_sizes(dict(c.mesh), num_devices, num_slices)
         except ValueError as err:
-            raise ConfigError(f"config.mesh={dict(c.mesh)} is invalid: {err}") from None
+            raise ConfigError(f"config.mesh={dict(c.mesh)} is invalid"
+                              + (f" for the trainer's {num_devices} devices (rollout.devices={split} sample)"
+                                 if split else "") + f": {err}") from None
         per = sizes["data"] * sizes["fsdp"]
         _check(not sized_by_rows or t.micro_batch % per == 0, "train.micro_batch", t.micro_batch,
                f"must be divisible by the mesh's data x fsdp = {per} (batch is split over those axes)")

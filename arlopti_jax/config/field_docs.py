@@ -100,6 +100,15 @@ FIELD_DOCS = {
                           "tis_cap)) or `seq_mask` (a response whose geometric-mean ratio leaves [1/seq_mask_bound, "
                           "seq_mask_bound] gets weight 0); needs max_staleness >= 1 or recompute_old_logprobs "
                           "(algos/off_policy.py)",
+    "rollout.devices": "the sampler's own devices: 0 = it shares the trainer's mesh (colocated, the steps take "
+                       "turns); N = each process's last N / processes devices sample (N a multiple of the process "
+                       "count, each process keeping at least one for the trainer), on the mesh `rollout.mesh`, "
+                       "while the trainer's mesh (`mesh.*`) holds the rest; after every update the trained "
+                       "parameters are copied to the sampler's mesh (with LoRA the adapters alone). With "
+                       "max_staleness >= 1 the two run at once (rl/pipeline.py)",
+    "rollout.mesh.data": "the sampler's mesh (rollout.devices > 0): data-parallel axis size (-1 = the rest)",
+    "rollout.mesh.fsdp": "the sampler's mesh: fsdp axis size (-1 = the rest)",
+    "rollout.mesh.tensor": "the sampler's mesh: tensor-parallel axis size (-1 = the rest)",
     "rollout.tis_cap": "`tis`: C, the cap on a token's importance weight pi_old / pi_behaviour (verl's "
                        "`rollout_is_threshold`, 2 by default there too)",
     "rollout.seq_mask_bound": "`seq_mask`: B, a response is kept while exp(mean over its tokens of log pi_old - log "

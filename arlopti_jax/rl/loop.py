@@ -24,13 +24,14 @@ from arlopti_jax import algos
 from arlopti_jax.rl import pipeline as sampling_loop
 from arlopti_jax.rl import resume, run_setup, warm_up
 from arlopti_jax.runtime import compiles, paths
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.store.checkpoint import PreemptionFlag
 from arlopti_jax.rl.collect import Collector
 from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, compare_table, format_table, trim_jsonl
 from arlopti_jax.runtime.chips import mfu
 from arlopti_jax.store.metrics import MetricsWriter, Timer
-from arlopti_jax.models import lora, save_pretrained
+from arlopti_jax.models import lora, param_shardings, save_pretrained
 from arlopti_jax.tasks import load_reward_fn
 from arlopti_jax.tasks.kk import guess_accuracy
 
@@ -119,7 +120,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
 
     steps = run_setup.total_steps(config, iterator)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=run_setup.eos_ids(policy),
-                             pad_id=run_setup.pad_id(policy), total_steps=steps, prompt_width=inputs.longest_prompt)
+                             pad_id=run_setup.pad_id(policy), total_steps=steps, prompt_width=inputs.longest_prompt,
+                             sampler_mesh=run_setup.make_sampler_mesh(config))
     train_step = run.train_step
 
     staleness = config.rollout.max_staleness  # k >= 1: batches sampled up to k versions ahead (rl/pipeline.py)
@@ -127,8 +129,15 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     correction = run_setup.correction_config(config)
     ckpt = resume.checkpointer(config)
     target = resume.saved_state(model_cfg, run.state)
+    sampler_mesh = run.rollout_sampler.mesh if run.rollout_sampler is not run.sampler else None
+    # the sampler's own mesh: its copies in its compute dtype (the LoRA adapters as trained: merged there)
+    sync_dtype = (model_cfg.compute_dtype if sampler_mesh is not None and not model_cfg.lora_rank
+                  and model_cfg.compute_dtype != model_cfg.weight_dtype else None)
     if staleness:  # the versions that sample the batches in flight (pipeline.checkpoint_versions)
-        target["sampler_params"] = (target["params"],) * staleness
+        held = target["params"] if sync_dtype is None else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, sync_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+                                           sharding=x.sharding), target["params"])
+        target["sampler_params"] = (held,) * staleness
     restored = resume.restore_from(config, ckpt, target)
     ref_params = None
     if run.use_reference:  # frozen: never donated; with LoRA the base itself, adapters off (no copy)
@@ -163,21 +172,32 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     n = config.rollout.n
     collect = Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, timer)
     history = {"before": None, "after": None, "reward": [], "eval_settings": evaluator.settings}
-    warm_up.compile_rollouts(run, evaluator, params, jax.random.fold_in(key, start_step))  # before step 1
     loop = None
-    if staleness:  # the sampler's own collector and timer: its jobs may run in a thread
+    if staleness or sampler_mesh is not None:  # the sampler's own collector and timer: its jobs may run in a thread
         sampler_timer = Timer()
+        trained_now, frozen = lora.trainable(model_cfg, params)
+        shardings = None
+        if sampler_mesh is not None:  # the trained part's shardings there; a LoRA base copied there once
+            shardings = lora.trainable(model_cfg, param_shardings(model_cfg, sampler_mesh))[0]
+            frozen = shd.transfer(frozen, lora.trainable(model_cfg, param_shardings(model_cfg, sampler_mesh))[1])
         loop = sampling_loop.Pipeline(
-            Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, sampler_timer), sampler_timer,
-            iterator, key, staleness, steps, frozen=lora.trainable(model_cfg, params)[1],
-            background=jax.process_count() == 1)
+            Collector(config, run.rollout_sampler, run.sampling(), reward_fn, tokenizer, mesh, sampler_timer),
+            sampler_timer, iterator, key, staleness, steps, frozen=frozen, background=jax.process_count() == 1,
+            shardings=shardings, dtype=sync_dtype)
         closing.append(loop.close)
-        if restored is None:
-            loop.snapshot(0, lora.trainable(model_cfg, params)[0])
+        if restored is None or not staleness:  # the version that samples the first batch
+            loop.snapshot(start_step, trained_now)
         else:
             for version, trained in zip(sampling_loop.checkpoint_versions(start_step, staleness),
                                         restored[1]["sampler_params"]):
                 loop.adopt(version, trained)
+    own = {}  # the rollouts' programs on the sampler's own mesh: for its copy and its key
+    if sampler_mesh is not None:
+        own = {"rollout_params": lora.whole(loop.snapshots[sampling_loop.sampling_version(start_step, staleness)]
+                                            .params, loop.frozen),
+               "rollout_key": jax.random.fold_in(loop.key, start_step)}
+    warm_up.compile_rollouts(run, evaluator, params, jax.random.fold_in(key, start_step), **own)  # before step 1
+    if loop is not None:
         loop.start(start_step)
 
     def evaluate(step):
@@ -198,7 +218,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             writer.flush()
             folder.sync()
         state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
-        if loop is not None:  # with the trained part of the versions that sample the batches in flight
+        if staleness:  # with the trained part of the versions that sample the batches in flight
             state["sampler_params"] = loop.checkpoint_params(step)
         began = time.monotonic()
         ckpt.save(step, resume.saved_state(model_cfg, state),
@@ -260,6 +280,9 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             schedule = {"sampler/version": float(scheduled.version), "sampler/lag": float(step - scheduled.version),
                         "time/sampler_busy": scheduled.busy_s, "time/sampler_wait": scheduled.wait_s,
                         "time/trainer_wait": waited}
+            if sampler_mesh is not None:  # this step's weight sync (version step, at advance)
+                schedule.update({"time/weight_sync": loop.synced["seconds"],
+                                 "sync/bytes": float(loop.synced["bytes"])})
         if stop_now(step, data_before):  # before the update: the stop's save comes sooner
             stopped = True
             break

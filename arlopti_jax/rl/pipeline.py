@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from arlopti_jax.models import lora
+from arlopti_jax.runtime import sharding as shd
 
 
 def sampling_version(batch: int, k: int) -> int:
@@ -98,26 +99,39 @@ class _Inline:
 
 
 class Pipeline:
-    """The schedule above for staleness ``k`` >= 1. ``collect(params, iterator, key)``: a
-    ``Collector`` with its own timer (``timer``, popped after each batch); ``frozen``: the parameters
-    the update never changes (a LoRA base; ``{}`` otherwise); ``background``: jobs in a worker
-    thread (one process) or at hand-over (several)."""
+    """The schedule above for staleness ``k``. ``collect(params, iterator, key)``: a ``Collector`` with
+    its own timer (``timer``, popped after each batch); ``frozen``: the parameters the update never
+    changes (a LoRA base, on the sampler's devices; ``{}`` otherwise); ``background``: jobs in a
+    worker thread (one process) or at hand-over (several). ``shardings``: the sampler's own mesh's
+    shardings of the trained parameters, where it has one (``rollout.devices``): each version is then
+    synced there (``sync``; k = 0 runs the synchronous schedule on the two meshes), cast first to
+    ``dtype`` (the sampler's compute dtype; None: kept), else copied on the trainer's mesh."""
 
     def __init__(self, collect: Callable, timer, iterator, key, k: int, steps: int, frozen: dict,
-                 background: bool):
-        if k < 1:
-            raise ValueError(f"Pipeline: max_staleness={k}: must be >= 1 (0 is the synchronous loop)")
+                 background: bool, shardings=None, dtype=None):
+        if k < 0 or (k == 0 and shardings is None):
+            raise ValueError(f"Pipeline: max_staleness={k}: must be >= 1, or 0 with the sampler's own mesh "
+                             "(0 colocated is the synchronous loop)")
         self.collect, self.timer, self.iterator, self.key = collect, timer, iterator, key
         self.k, self.steps, self.frozen = k, steps, frozen
+        self.shardings, self.dtype = shardings, dtype
+        if shardings is not None:  # the sampler's programs take their key on its mesh
+            on = shd.replicated(jax.tree.leaves(shardings)[0].mesh)
+            self.key = jax.random.wrap_key_data(shd.transfer(jax.random.key_data(key), on),
+                                                impl=jax.random.key_impl(key))
         self.snapshots: dict[int, Snapshot] = {}
         self.pending: collections.deque = collections.deque()  # (batch, future), in batch order
         self.next_batch = None  # the next batch to hand over
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "sampler") if background else _Inline()
         self._free_since = time.perf_counter()
         self._copy = None
+        self.synced = {"seconds": 0.0, "bytes": 0}  # the last sync's
 
     def snapshot(self, version: int, trained) -> Snapshot:
-        """``trained`` (the trained part of version ``version``'s parameters) copied by one program."""
+        """``trained`` (the trained part of version ``version``'s parameters) copied by one program, onto
+        the sampler's mesh where it has one (``sync``)."""
+        if self.shardings is not None:
+            return self.sync(version, trained)
         if self._copy is None:
             shardings = jax.tree.map(lambda x: x.sharding, trained)
 
@@ -129,9 +143,33 @@ class Pipeline:
         self.snapshots[version] = snap
         return snap
 
+    def sync(self, version: int, trained, cast: bool = True) -> Snapshot:
+        """The weight sync: version ``version``'s trained parameters, in the sampler's compute dtype, onto
+        the sampler's mesh (``shd.transfer``; the trainer's arrays are read, never donated), waited for:
+        the update that follows donates them. Its seconds and bytes are ``synced``."""
+        began = time.perf_counter()
+        if cast and self.dtype is not None:
+            if self._copy is None:
+                def sampler_cast(tree, dtype=self.dtype):  # named: the compile log shows it
+                    return jax.tree.map(lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w,
+                                        tree)
+
+                self._copy = jax.jit(sampler_cast, out_shardings=jax.tree.map(lambda x: x.sharding, trained))
+            trained = self._copy(trained)
+        params = jax.block_until_ready(shd.transfer(trained, self.shardings))
+        self.synced = {"seconds": time.perf_counter() - began,
+                       "bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
+        snap = Snapshot(version, params)
+        self.snapshots[version] = snap
+        return snap
+
     def adopt(self, version: int, trained) -> None:
-        """Take ``trained`` as version ``version``'s copy as it is (a checkpoint's arrays, restored)."""
-        self.snapshots[version] = Snapshot(version, trained)
+        """Take ``trained`` as version ``version``'s copy (a checkpoint's arrays, restored: already in the
+        sampler's dtype), moved to the sampler's mesh where it has one."""
+        if self.shardings is not None:
+            self.sync(version, trained, cast=False)
+        else:
+            self.snapshots[version] = Snapshot(version, trained)
 
     def start(self, step: int) -> None:
         """Hand over the batches ``step`` to ``step + k - 1`` (those before the first ``advance``),

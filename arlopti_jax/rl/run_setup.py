@@ -25,6 +25,7 @@ from arlopti_jax import algos
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import paths
 from arlopti_jax.runtime import sharding as shd
+from arlopti_jax.runtime.startup import ConfigError
 from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
 from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings
 from arlopti_jax.store import trackers
@@ -169,10 +170,45 @@ def sampling_config(config, eos: tuple[int, ...], pad: int, *, greedy: bool = Fa
                           min_rows=r.min_rows)
 
 
+def split_devices(config, devices=None) -> tuple[list, list]:
+    """(the trainer's devices, the sampler's) of ``devices`` (default: every device of the job; ``aot``
+    passes a compile-only topology's). With ``rollout.devices`` = N > 0 each process gives its last
+    N / processes devices (by id) to the sampler and keeps the rest, so that every process holds
+    devices of both meshes and the weight sync stays inside each process (``shd.transfer``);
+    otherwise the sampler's list is empty (it shares the trainer's mesh). ConfigError for a split
+    the processes cannot share."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = config.rollout.devices
+    if not n:
+        return devices, []
+    by_process: dict[int, list] = {}
+    for d in sorted(devices, key=lambda d: d.id):
+        by_process.setdefault(d.process_index, []).append(d)
+    local = {len(ds) for ds in by_process.values()}
+    procs = len(by_process)
+    if n % procs or len(local) > 1 or n // procs >= min(local):
+        raise ConfigError(f"config.rollout.devices={n} is invalid: each of the {procs} processes gives the sampler "
+                          f"rollout.devices / {procs} of its {sorted(local)} devices and keeps at least one for the "
+                          f"trainer, so rollout.devices must be a multiple of {procs} below {procs * min(local)}"
+                          + (" (with one process per device, e.g. SLURM's one task per GPU, nothing can split: run "
+                             "one process per host)" if min(local) == 1 else ""))
+    per = n // procs
+    trainer = [d for ds in by_process.values() for d in ds[:-per]]
+    sampler = [d for ds in by_process.values() for d in ds[-per:]]
+    return trainer, sampler
+
+
 def make_mesh(config, devices=None):
-    """The config's mesh over ``devices`` (default: every device of the job; ``aot`` passes a
-    compile-only topology's); with several processes, each holds a contiguous block of batch rows."""
-    return dist.process_contiguous(shd.make_mesh(dict(config.mesh), devices=devices))
+    """The trainer's mesh (``config.mesh``) over its devices of ``devices`` (``split_devices``); with
+    several processes, each holds a contiguous block of batch rows."""
+    return dist.process_contiguous(shd.make_mesh(dict(config.mesh), devices=split_devices(config, devices)[0]))
+
+
+def make_sampler_mesh(config, devices=None):
+    """The sampler's own mesh (``config.rollout.mesh`` over its devices), or None when it shares the
+    trainer's (``rollout.devices=0``)."""
+    sampler = split_devices(config, devices)[1]
+    return dist.process_contiguous(shd.make_mesh(dict(config.rollout.mesh), devices=sampler)) if sampler else None
 
 
 def eval_set_name(path: DataFile) -> str:
@@ -265,7 +301,8 @@ def prepare_inputs(config) -> Inputs:
     # or allocates): a schedule the steps cannot span, a packing the budget cannot hold... stop here
     policy = Policy(model_cfg, None, tokenizer, model_path)
     assemble(config, make_mesh(config), model_cfg, eos_ids=eos_ids(policy), pad_id=pad_id(policy),
-             total_steps=total_steps(config, iterator), prompt_width=inputs.longest_prompt)
+             total_steps=total_steps(config, iterator), prompt_width=inputs.longest_prompt,
+             sampler_mesh=make_sampler_mesh(config))
     return inputs
 
 
@@ -380,7 +417,8 @@ class Run:
     lopti_cfg: algos.LoptiConfig
     loss_cfg: algos.LossConfig
     tokens_per_device: int  # of a packed micro-batch
-    sampler: Sampler
+    sampler: Sampler  # on the trainer's mesh: evaluations, and the rollouts when colocated
+    rollout_sampler: Sampler  # the rollouts' (``sampler`` itself, or one on the sampler's own mesh)
     train_step: algos.TrainStep
     logprobs: Callable  # ``make_compute_logprobs``: reference and recomputed pi_old passes
     state: dict  # the checkpointed state's abstract arrays: params, opt_state, rng
@@ -398,12 +436,13 @@ class Run:
 
 
 def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], pad_id: int,
-             total_steps: int, prompt_width: int = 0, device_memory: int | None = None) -> Run:
+             total_steps: int, prompt_width: int = 0, device_memory: int | None = None, sampler_mesh=None) -> Run:
     """The run's objects and programs for ``config`` on ``mesh`` (nothing is compiled or allocated
     here: the programs compile on first use, or ahead of time through ``aot``). ``prompt_width``:
     the longest prompt of the run's data (``longest_prompt``; ``aot`` without the data:
     ``data.max_prompt_length``; 0: each batch pads to its own). ``device_memory``: one device's
-    bytes, for the sampler's ``whole_weights`` (``aot``: its target's; default: the device's own)."""
+    bytes, for the sampler's ``whole_weights`` (``aot``: its target's; default: the device's own).
+    ``sampler_mesh``: the rollouts' own mesh (``make_sampler_mesh``; None: the trainer's)."""
     adv, weights, lopti, loss = algo_configs(config)
     optimizer = make_optimizer(config, total_steps)
     shapes = pack_shapes(config, mesh)
@@ -411,9 +450,11 @@ def assemble(config, mesh, model_cfg: ModelConfig, *, eos_ids: tuple[int, ...], 
     chunk = config.model.logprob_chunk
     sampler = Sampler(model_cfg, mesh, whole_weights=config.rollout.get("whole_weights", "auto"),
                       device_memory=device_memory)
+    rollout_sampler = sampler if sampler_mesh is None else Sampler(
+        model_cfg, sampler_mesh, whole_weights=config.rollout.get("whole_weights", "auto"), device_memory=device_memory)
     return Run(config=config, mesh=mesh, model_cfg=model_cfg, eos_ids=tuple(eos_ids), pad_id=int(pad_id),
                total_steps=total_steps, optimizer=optimizer, adv_cfg=adv, weight_cfg=weights, lopti_cfg=lopti,
-               loss_cfg=loss, tokens_per_device=tokens, sampler=sampler,
+               loss_cfg=loss, tokens_per_device=tokens, sampler=sampler, rollout_sampler=rollout_sampler,
                train_step=algos.make_train_step(model_cfg, loss, optimizer, mesh, tokens_per_device=tokens,
                                                 chunk_size=chunk, shared_prefix=config.train.shared_prefix,
                                                 shapes=shapes),

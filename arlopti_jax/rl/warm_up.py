@@ -25,22 +25,29 @@ from arlopti_jax.runtime import sharding as shd
 log = logging.getLogger("arlopti_jax.train")
 
 
-def compile_rollouts(run, evaluator, params, key) -> int:
+def compile_rollouts(run, evaluator, params, key, rollout_params=None, rollout_key=None) -> int:
     """Compile the sampler's programs of ``run``'s rollouts and of ``evaluator``'s evaluations for
     ``params`` (the trainer's arrays: their shapes and shardings) and ``key`` (a key made as the
-    steps' and the evaluations' are, ``fold_in`` of the run's key: its sharding is theirs). Returns
-    how many programs were compiled or loaded from the persistent cache (none when this process has
-    compiled them already)."""
+    steps' and the evaluations' are, ``fold_in`` of the run's key: its sharding is theirs). With the
+    sampler's own mesh (``run.rollout_sampler``), its rollouts' for ``rollout_params`` and
+    ``rollout_key``, the sampler's copies there. Returns how many programs were compiled or loaded
+    from the persistent cache (none when this process has compiled them already)."""
     c = run.config
     params = compiles.abstract(params)
     sampling = run.sampling()
-    schedules = [run.sampler.schedule(params, c.train.batch_prompts, sampling.prompt_width, c.rollout.n, sampling,
-                                      key=compiles.abstract(key))]
-    schedules += evaluator.schedules(params, key)
+    rollouts = run.rollout_sampler
+    own = rollouts is not run.sampler
+    rollout = rollouts.schedule(compiles.abstract(rollout_params) if own else params, c.train.batch_prompts,
+                                sampling.prompt_width, c.rollout.n, sampling,
+                                key=compiles.abstract(rollout_key if own else key))
+    schedules = ([] if own else [rollout]) + evaluator.schedules(params, key)
     compile_log = compiles.watch()
     mark, started = compile_log.programs, time.perf_counter()
+    if own:
+        compiles.compile_all(rollout, context=lambda: shd.activate(rollouts.mesh, rollouts.rules))
     compiles.compile_all(*schedules, context=lambda: shd.activate(run.sampler.mesh, run.sampler.rules))
     count = compile_log.programs - mark
-    log.info("warm-up: %d sampler programs compiled or loaded (%d listed by the rollouts and evaluations) in "
-             "%.1f s", count, sum(map(len, schedules)), time.perf_counter() - started)
+    log.info("warm-up: %d sampler programs compiled or loaded (%d listed by the rollouts and evaluations%s) in "
+             "%.1f s", count, len(rollout) * own + sum(map(len, schedules)),
+             ", the rollouts' on the sampler's own mesh" if own else "", time.perf_counter() - started)
     return count

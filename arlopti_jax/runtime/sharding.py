@@ -227,3 +227,37 @@ def describe(tree) -> dict[str, str]:
     """Flat {path: sharding spec} of a tree of arrays, for logs and tests."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(k): str(getattr(v.sharding, "spec", v.sharding)) for k, v in flat}
+
+
+def transfer(tree, shardings):
+    """A copy of ``tree``'s arrays in ``shardings`` (a matching tree of NamedShardings, on other devices
+    than the arrays': the sampler's mesh). One process: ``jax.device_put``. Several: JAX moves arrays
+    across processes only between equal device sets (or over the TFRT TPU runtime's transfers), so each
+    array is first made whole on its own mesh (one program, the weights gathered over its devices) and
+    each process then copies its own devices' parts from a device of its own: ``run_setup.split_devices``
+    gives every process devices of both meshes. The sources are never donated or changed."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def whole_on_own_mesh(t):  # named: the compile log shows it
+        return t
+
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]  # a key or a scalar is whole already
+    if split:
+        made = jax.jit(whole_on_own_mesh, out_shardings=[replicated(leaves[i].sharding.mesh) for i in split])(
+            [leaves[i] for i in split])
+        for i, x in zip(split, made):
+            leaves[i] = x
+    whole = jax.tree.unflatten(treedef, leaves)
+
+    def local(x, sharding):
+        source = x.addressable_shards[0].data
+        parts = []
+        for device, index in sharding.addressable_devices_indices_map(x.shape).items():
+            full = all(i == slice(None) or (i.start in (None, 0) and i.stop in (None, n) and i.step in (None, 1))
+                       for i, n in zip(index, x.shape))
+            parts.append(jax.device_put(source if full else source[index], device))
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+
+    return jax.tree.map(local, whole, shardings)
