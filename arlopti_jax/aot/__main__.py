@@ -87,6 +87,16 @@ def format_record(record: dict) -> str:
                  f"resident state {record['resident_bytes_per_device'] / targets.GIB:.2f} GiB) of "
                  f"{record['device_memory_bytes'] / targets.GIB:.1f} GiB: {fits}; {len(record['programs'])} programs "
                  f"compiled in {record['compile_s']:.1f} s")
+    own = record.get("sampler")
+    if own:
+        lines.append(f"split meshes: the trainer on {own['trainer_devices']} devices, peak "
+                     f"{own['trainer_peak_bytes_per_device'] / targets.GIB:.2f} GiB per device; the sampler (the "
+                     f"rollout programs) on {own['devices']}, mesh "
+                     + " x ".join(f"{k}={v}" for k, v in own["mesh"].items()) + f", peak "
+                     f"{own['peak_bytes_per_device'] / targets.GIB:.2f} GiB per device with {own['copies']} policy "
+                     f"copies resident ({own['resident_bytes_per_device'] / targets.GIB:.2f} GiB); one weight sync "
+                     f"moves {own['sync_bytes'] / 1e9:.2f} GB, {own['sync_bytes_per_sampler_device'] / 1e9:.2f} GB "
+                     "into each sampler device")
     lines.append("(compiler figures for the target, not a run: GiB and GB per device; TFLOP and the estimate from "
                  "XLA's cost analysis, for programs without loops; TFLOP* (GPU, which has no cost analysis) the matrix "
                  "FLOPs and GB read+written counted from the optimized HLO, layer loops multiplied, a decode loop's "

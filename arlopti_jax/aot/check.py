@@ -275,10 +275,12 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     alone. Default: all for ``local``, the peak's for a compile-only target."""
     all_shapes = target.name == "local" if all_shapes is None else all_shapes
     mesh, (model_cfg, eos, pad, source) = prepare(config, target)
+    sampler_mesh = run_setup.make_sampler_mesh(config, targets.devices(target))
     width = data_prompt_width(config)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=eos, pad_id=pad,
                              total_steps=max(1, config.train.max_steps), prompt_width=width,
-                             device_memory=None if target.name == "local" else target.hbm_bytes)
+                             device_memory=None if target.name == "local" else target.hbm_bytes,
+                             sampler_mesh=sampler_mesh)
     longest = width or config.data.max_prompt_length
     params, opt_state = run.state["params"], run.state["opt_state"]
     copies = 2 if run.use_reference and not run.model_cfg.lora_rank else 1  # a LoRA reference is the base itself
@@ -295,8 +297,15 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
         if dump is not None:
             cleanup.callback(shutil.rmtree, dump, ignore_errors=True)
         compiler.group = "rollout"
+        own = None
+        if sampler_mesh is not None:  # the rollouts on the sampler's own devices, with its copies resident there
+            own = sampler_side(run, params)
+            rollouts = Compiler(target, own["resident"], verbose, dump)
+            rollouts.group, rollouts.programs = "rollout", compiler.programs
+            rollouts.resident_leaves = {id(x) for x in jax.tree.leaves(own["params"])}
         if "rollout" in groups:
-            run.sampler.programs(params, c.train.batch_prompts, longest, c.rollout.n, run.sampling(), compiler)
+            run.rollout_sampler.programs(params if own is None else own["params"], c.train.batch_prompts, longest,
+                                         c.rollout.n, run.sampling(), compiler if own is None else rollouts)
         if eval_programs:
             compiler.group = "eval"
             cap = c.train.batch_prompts * c.rollout.n
@@ -325,7 +334,40 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
                     compiler(f"accumulate {_shape(shape)}", step._accumulate, trained, frozen, acc, spec(host))
                 compiler("apply (clip + AdamW)", step._apply, trained, opt_state, acc,
                          abstract((), jnp.float32, shd.replicated(mesh)))
-    return report(config, target, run, compiler.programs, resident, time.perf_counter() - started, source, plan)
+    record = report(config, target, run, compiler.programs, resident, time.perf_counter() - started, source, plan)
+    if own is not None:
+        sampler_programs = [p for p in record["programs"] if p["group"] == "rollout"]
+        trainer_programs = [p for p in record["programs"] if p["group"] != "rollout"]
+        record["sampler"] = {
+            "mesh": {k: int(v) for k, v in sampler_mesh.shape.items()},
+            "devices": int(sampler_mesh.devices.size), "trainer_devices": int(mesh.devices.size),
+            "resident_bytes_per_device": own["resident"], "copies": own["copies"],
+            "peak_bytes_per_device": max((p["peak_bytes_per_device"] for p in sampler_programs), default=0),
+            "trainer_peak_bytes_per_device": max((p["peak_bytes_per_device"] for p in trainer_programs), default=0),
+            "sync_bytes": own["sync_bytes"], "sync_bytes_per_sampler_device": own["sync_bytes_per_device"]}
+    return record
+
+
+def sampler_side(run, params) -> dict:
+    """The sampler's own mesh's resident state, as ``train`` holds it (rl/loop.py, rl/pipeline.py): the
+    copies of the policy versions in flight, max(1, k) + 1 at most (those a checkpoint holds and the one
+    the step's sync makes), the trained part in the sampler's compute dtype (LoRA: the adapters as trained,
+    the base once); and the bytes one weight sync moves, in all and into each sampler device."""
+    from arlopti_jax.models import param_shardings
+
+    cfg, mesh = run.model_cfg, run.rollout_sampler.mesh
+    shardings = param_shardings(cfg, mesh)
+    cast = cfg.compute_dtype if not cfg.lora_rank and cfg.compute_dtype != cfg.weight_dtype else None
+    moved = lambda x, sh: abstract(x.shape, cast if cast and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sh)
+    trained, frozen = lora.trainable(cfg, params)
+    sh_trained, sh_frozen = lora.trainable(cfg, shardings)
+    copy = jax.tree.map(moved, trained, sh_trained)
+    base = jax.tree.map(lambda x, sh: abstract(x.shape, x.dtype, sh), frozen, sh_frozen)
+    copies = max(1, run.config.rollout.max_staleness) + 1
+    return {"params": lora.whole(copy, base), "copies": copies,
+            "resident": shard_bytes(copy) * copies + shard_bytes(base),
+            "sync_bytes": int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(copy))),
+            "sync_bytes_per_device": shard_bytes(copy)}
 
 
 def _shape(shape: tuple[int, int]) -> str:

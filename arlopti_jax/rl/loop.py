@@ -260,6 +260,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
     stopped = False
     for step in bar:
+        step_began = time.perf_counter()
         # 1-2. sample G responses per prompt with the current policy (each process its block of
         # the prompts) and score them on host; with filter_groups, more rounds replace zero-advantage
         # groups. The global batch then goes to every process's host (the update packs it there).
@@ -345,6 +346,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
                    "compile/programs": float(compile_log.programs - compiled_before[0]),
                    "compile/seconds": compile_log.seconds - compiled_before[1],
                    "train/epoch": iterator.epoch if data_after is None else data_after["epoch"]}
+        metrics["time/step"] = time.perf_counter() - step_began  # the step's wall time, its records aside
         util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
         if util is not None:
             metrics["throughput/train_mfu"] = util

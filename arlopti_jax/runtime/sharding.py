@@ -140,8 +140,13 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     dims = tuple(ici[a] for a in MESH_AXES)
     if devices[0].platform == "gpu":  # jax.make_mesh's order (by id), without its refusal of several hosts
         return Mesh(mesh_utils.create_device_mesh(dims, devices), MESH_AXES, axis_types=auto)
-    if devices == list(jax.devices()) or devices[0].platform != "cpu":  # topology-aware order (TPU rings)
-        return jax.make_mesh(dims, MESH_AXES, axis_types=auto, devices=devices)
+    whole = devices == list(jax.devices())
+    if whole or devices[0].platform != "cpu":  # topology-aware order (TPU rings)
+        try:
+            return jax.make_mesh(dims, MESH_AXES, axis_types=auto, devices=devices)
+        except (AssertionError, ValueError):  # a part of a TPU slice that is no physical box (split meshes)
+            if whole:
+                raise
     return Mesh(np.asarray(devices).reshape(dims), MESH_AXES, axis_types=auto)
 
 

@@ -563,3 +563,35 @@ def test_the_sampler_weights_count_in_every_rollout_programs_peak():
     assert abs(start["peak_bytes_per_device"] - (resident + own) - copy) < 1024
     assert "all-gather" not in programs["decode"]["collectives"]
     assert programs["sampling"]["collectives"]["all-gather"]["count"] > 0  # gathered once per rollout
+
+
+def test_split_meshes_compile_each_side_with_its_own_resident_state():
+    """8 H100s as 4 + 4 (``rollout.devices=4``, k = 1): the rollouts compile on the sampler's 4 with
+    its copies resident, max(1, k) + 1 = 2 of the trained weights in the compute dtype, each whole
+    (the sampler's mesh is data=4); one sync moves the weights once, counted here from the model's
+    own parameter shapes."""
+    import math
+
+    import jax.numpy as jnp
+
+    import jax
+
+    from arlopti_jax.aot.check import check, model_shape
+    from arlopti_jax.models import abstract_params
+
+    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False})
+    config.rollout.devices, config.rollout.max_staleness, config.train.micro_batch = 4, 1, 4
+    record = check(config, targets.get("h100x8"), groups=("rollout", "update"))
+    own = record["sampler"]
+    assert (own["devices"], own["trainer_devices"], own["mesh"]) == (4, 4, {"data": 4, "fsdp": 1, "tensor": 1})
+    assert record["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    cfg = model_shape(config)[0]
+    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+    want = sum(math.prod(x.shape) * itemsize for x in jax.tree.leaves(abstract_params(cfg)))
+    assert own["sync_bytes"] == own["sync_bytes_per_sampler_device"] == want
+    assert own["copies"] == 2 and own["resident_bytes_per_device"] == 2 * want
+    rollout = [p for p in record["programs"] if p["group"] == "rollout"]
+    start = next(p for p in rollout if p["name"].startswith("start"))
+    assert start["peak_bytes_per_device"] >= own["resident_bytes_per_device"]  # the copies, beside the cache
+    assert own["trainer_peak_bytes_per_device"] == max(p["peak_bytes_per_device"] for p in record["programs"]
+                                                       if p["group"] == "update")

@@ -1,0 +1,93 @@
+"""Does the sampler on its own devices, one policy version ahead, shorten the RL step?
+
+    python bench/overlap.py [--steps 12] [--rounds 2] [--layouts colocated,split0,split1,colocated1]
+                            [--config=FILE[:ARG]] [--config.FIELD=VALUE ...]
+
+Runs ``python -m arlopti_jax.train`` (the embedded default, or ``--config``) once per layout and
+round, interleaved (layout after layout, round after round, so a slower hour of the machine falls
+on every layout alike), on 8 host CPU devices:
+
+  colocated   today's trainer: sample, then update, on one mesh of the 8 devices (k = 0)
+  split0      the sampler on 4 devices, the trainer on the other 4, synchronous (k = 0)
+  split1      the same split, the sampler one version ahead (k = 1, tis): the two run at once
+  colocated1  one mesh of 8, k = 1: only the host's work (reward scoring) overlaps the devices'
+
+and prints per layout the median over rounds of each run's median step seconds (``time/step``, the
+steps after the first: the first compiles), the ratio to ``colocated``, and each side's busy share
+of the step: the sampler's (``time/sampler_busy``, its rollout and scoring of a batch) and the
+trainer's (the step less its wait for the batch, ``time/trainer_wait``). With k = 0 the sampler's
+time is the step's rollout and reward phases. The host devices share this machine's cores, so
+what overlap can show here is bounded by them: the docstring of the figures' journal entry says
+what the cores allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAYOUTS = {
+    "colocated": [],
+    "split0": ["--config.rollout.devices=4"],
+    "split1": ["--config.rollout.devices=4", "--config.rollout.max_staleness=1", "--config.rollout.correction=tis"],
+    "colocated1": ["--config.rollout.max_staleness=1", "--config.rollout.correction=tis"],
+}
+
+
+def one_run(run_dir: Path, flags: list[str], steps: int) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-m", "arlopti_jax.train", f"--config.run_dir={run_dir}",
+                    f"--config.train.max_steps={steps}", "--config.train.export_at_end=False",
+                    "--config.train.eval_before=False", f"--config.train.eval_every={10 * steps}",
+                    "--config.data.test_files=", *flags], env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    recs = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "time/step" in r]
+    later = recs[1:]  # the first step compiles
+    step = statistics.median(r["time/step"] for r in later)
+    sampler = statistics.median(r.get("time/sampler_busy", r.get("time/rollout", 0) + r.get("time/reward", 0))
+                                for r in later)
+    waited = statistics.median(r.get("time/trainer_wait", r.get("time/rollout", 0) + r.get("time/reward", 0))
+                               for r in later)
+    sync = statistics.median(r.get("time/weight_sync", 0.0) for r in later)
+    return {"step": step, "sampler_busy": sampler / step, "trainer_busy": (step - waited) / step, "sync": sync,
+            "reward": statistics.mean(r["reward/mean"] for r in recs)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="RL steps a run (the first is left out)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layouts", default="colocated,split0,split1,colocated1")
+    parser.add_argument("--out", default="", help="folder for the runs (default: a new temporary one)")
+    args, overrides = parser.parse_known_args(argv)
+    layouts = args.layouts.split(",")
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        print(f"error: --layouts: {unknown[0]} is not one of {','.join(LAYOUTS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out or tempfile.mkdtemp(prefix="overlap_"))
+    results: dict[str, list[dict]] = {name: [] for name in layouts}
+    for r in range(args.rounds):
+        for name in layouts:
+            got = one_run(out / f"{name}_{r}", [*overrides, *LAYOUTS[name]], args.steps)
+            results[name].append(got)
+            print(f"round {r} {name:11s} {got['step']:7.2f} s a step", flush=True)
+    base = statistics.median(g["step"] for g in results[layouts[0]])
+    print(f"\n{'layout':11s} {'s/step':>8s} {'x ' + layouts[0]:>14s} {'sampler busy':>13s} {'trainer busy':>13s} "
+          f"{'sync s':>7s} {'mean reward':>12s}")
+    for name in layouts:
+        med = lambda key: statistics.median(g[key] for g in results[name])
+        print(f"{name:11s} {med('step'):8.2f} {base / med('step'):13.2f}x {med('sampler_busy'):13.0%} "
+              f"{med('trainer_busy'):13.0%} {med('sync'):7.3f} {med('reward'):12.3f}")
+    print(f"(medians over {args.rounds} rounds of each run's median step, steps 2-{args.steps}; runs in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
