@@ -5,12 +5,13 @@
 
 Runs ``python -m arlopti_jax.train`` (the embedded default, or ``--config``) once per layout and
 round, interleaved (layout after layout, round after round, so a slower hour of the machine falls
-on every layout alike), on 8 host CPU devices:
+on every layout alike), on 8 host CPU devices (``colocated4``: 4):
 
   colocated   today's trainer: sample, then update, on one mesh of the 8 devices (k = 0)
   split0      the sampler on 4 devices, the trainer on the other 4, synchronous (k = 0)
   split1      the same split, the sampler one version ahead (k = 1, tis): the two run at once
   colocated1  one mesh of 8, k = 1: only the host's work (reward scoring) overlaps the devices'
+  colocated4  today's trainer on 4 devices alone: the split's trainer mesh, with no sampler beside it
 
 and prints per layout the median over rounds of each run's median step seconds (``time/step``, the
 steps after the first: the first compiles), the ratio to ``colocated``, and each side's busy share
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,11 +39,14 @@ LAYOUTS = {
     "split0": ["--config.rollout.devices=4"],
     "split1": ["--config.rollout.devices=4", "--config.rollout.max_staleness=1", "--config.rollout.correction=tis"],
     "colocated1": ["--config.rollout.max_staleness=1", "--config.rollout.correction=tis"],
+    "colocated4": [],  # on 4 devices: the trainer's mesh of split0 and split1, sampling on it too
 }
+DEVICES = {"colocated4": 4}  # host devices per layout (default 8)
 
 
-def one_run(run_dir: Path, flags: list[str], steps: int) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+def one_run(run_dir: Path, flags: list[str], steps: int, devices: int = 8) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run folder left from before would be resumed, not run
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-m", "arlopti_jax.train", f"--config.run_dir={run_dir}",
                     f"--config.train.max_steps={steps}", "--config.train.export_at_end=False",
                     "--config.train.eval_before=False", f"--config.train.eval_every={10 * steps}",
@@ -64,7 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="RL steps a run (the first is left out)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layouts", default="colocated,split0,split1,colocated1")
-    parser.add_argument("--out", default="", help="folder for the runs (default: a new temporary one)")
+    parser.add_argument("--out", default="", help="folder for the runs (default: a new temporary one; the embedded "
+                        "start point is built there once, its runs' folders replaced)")
     args, overrides = parser.parse_known_args(argv)
     layouts = args.layouts.split(",")
     unknown = [name for name in layouts if name not in LAYOUTS]
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {name: [] for name in layouts}
     for r in range(args.rounds):
         for name in layouts:
-            got = one_run(out / f"{name}_{r}", [*overrides, *LAYOUTS[name]], args.steps)
+            got = one_run(out / f"{name}_{r}", [*overrides, *LAYOUTS[name]], args.steps, DEVICES.get(name, 8))
             results[name].append(got)
             print(f"round {r} {name:11s} {got['step']:7.2f} s a step", flush=True)
     base = statistics.median(g["step"] for g in results[layouts[0]])

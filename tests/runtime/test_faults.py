@@ -256,3 +256,39 @@ def test_sweep_killed_at_its_writes_resumes_exactly(tmp_path):
         assert sweep_records(out) == want, fault
         assert (out / "start_point" / "model" / "model.safetensors").read_bytes() == (
             tmp_path / "reference" / "start_point" / "model" / "model.safetensors").read_bytes()
+
+
+# The sampler on its own devices one version ahead (rollout.devices=4 of 8, k = 1, tis): the
+# checkpoint also holds the version that samples the batch in flight, synced to the sampler's mesh
+# on resume. A chain of crashes in one run folder, as the two-process chain below, in one process
+# and in two.
+SPLIT = {"rollout.devices": 4, "rollout.max_staleness": 1, "rollout.correction": "tis", "mesh.fsdp": 4,
+         "train.micro_batch": 4}
+CHAIN = tuple(fault.split("@")[0] for fault in TWO_PROCESSES)  # the same sites, in one process
+
+
+@pytest.mark.slow
+def test_split_meshes_one_version_ahead_killed_at_each_write_resume_exactly(start_point, tmp_path):
+    values = run_values(start_point, tmp_path / "run", **SPLIT)
+    train(make_config({**values, "run_dir": str(tmp_path / "reference")}))
+    for fault in CHAIN:
+        killed = subprocess.run(cli(values), capture_output=True, text=True, env=env_with(**{faults.ENV: fault}),
+                                timeout=600)
+        assert killed.returncode == -signal.SIGKILL, f"{fault}: " + killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert_nothing_compiled_late(train(make_config({**values, "resume": "auto"})))
+    assert_same(records(tmp_path / "run"), records(tmp_path / "reference"), "split, k = 1")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_processes")  # never beside another two-process test: 4 processes on 2 cores
+def test_split_meshes_on_two_processes_killed_at_each_write_resume_exactly(start_point, tmp_path):
+    """Each process 2 trainer + 2 sampler devices; the two-process chain's kills (``TWO_PROCESSES``)."""
+    values = run_values(start_point, tmp_path / "run", **SPLIT, **{"distributed.heartbeat_timeout_s": 10})
+    reference = launch({**values, "run_dir": str(tmp_path / "reference")}, tmp_path / "logs_reference")
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    for i, fault in enumerate(TWO_PROCESSES):
+        crashed = launch(values, tmp_path / f"logs_{i}", **{faults.ENV: fault})
+        assert crashed.returncode == 137, f"{fault}: the run was not killed\n{crashed.stdout[-3000:]}"
+    done = launch(values, tmp_path / "logs_last")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert_same(records(tmp_path / "run"), records(tmp_path / "reference"), "split, k = 1, two processes")
