@@ -365,8 +365,7 @@ def algo_configs(config):
 def correction_config(config) -> algos.CorrectionConfig:
     """The off-policy correction of ``rollout.correction`` (``algos/off_policy.py``)."""
     r = config.rollout
-    return algos.CorrectionConfig(kind=r.get("correction", "none"), tis_cap=r.get("tis_cap", 2.0),
-                                  seq_mask_bound=r.get("seq_mask_bound", 1.01))
+    return algos.CorrectionConfig(kind=r.correction, tis_cap=r.tis_cap, seq_mask_bound=r.seq_mask_bound)
 
 
 def optim_config(config, total_rl_steps: int | None) -> algos.OptimConfig:
