@@ -93,8 +93,8 @@ FIELD_DOCS = {
                              "trainer at step t; the sampler waits, never drops a batch, and each batch's version is "
                              "checked (`sampler/version`, `sampler/lag`); with one process it samples and scores the "
                              "next batches in a thread while the update runs, on the trainer's devices or, with "
-                             "`rollout.devices`, its own (rl/pipeline.py); a checkpoint holds the k versions that sample the batches in flight; "
-                             "0 = on-policy",
+                             "`rollout.devices`, its own (rl/pipeline.py); a checkpoint holds the k versions that "
+                             "sample the batches in flight; 0 = on-policy",
     "rollout.correction": "the gap between pi_old and the behaviour policy (the sampler's log-probs), on the "
                           "policy-gradient term alone: `none`, `tis` (each token's weight min(pi_old / pi_behaviour, "
                           "tis_cap)) or `seq_mask` (a response whose geometric-mean ratio leaves [1/seq_mask_bound, "

@@ -34,6 +34,15 @@ VARIANTS = {
     # a control, not a method: GRPO with the mini-batch halved, so that it takes as many optimizer
     # steps per RL step as Lopti's two passes do (docs/results/real_model.md, section 5)
     "grpo_2x_steps": ("GRPO, 2x optimizer steps", {}, 2),
+    # one step of staleness (rl/pipeline.py): the update of step t on the batch version t - 1 sampled,
+    # pi_old the trainer's own, without and with the token-level correction (tis, C = 2)
+    "grpo_k1": ("GRPO, k = 1", {"rollout.max_staleness": 1}, 1),
+    "grpo_k1_tis": ("GRPO, k = 1, tis", {"rollout.max_staleness": 1, "rollout.correction": "tis"}, 1),
+    "grpo_ar_lopti_k1": ("GRPO + AR + Lopti, k = 1", {"algo.weighting": "ar", "algo.ar_alpha": 0.3,
+                                                       "algo.lopti_eta": 0.5, "rollout.max_staleness": 1}, 1),
+    "grpo_ar_lopti_k1_tis": ("GRPO + AR + Lopti, k = 1, tis", {
+        "algo.weighting": "ar", "algo.ar_alpha": 0.3, "algo.lopti_eta": 0.5, "rollout.max_staleness": 1,
+        "rollout.correction": "tis"}, 1),
 }
 METHOD_BASE = {"algo.weighting": "none", "algo.ar_alpha": 0.0, "algo.lopti_eta": 0.0, "loss.mode": "ppo",
                "loss.ratio_level": "token", "algo.entropy_top_fraction": 0.0}

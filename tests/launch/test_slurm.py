@@ -67,14 +67,20 @@ def ended(info: dict) -> bool:
 
 
 def wait_for_end(cluster, job: str, workdir: Path, timeout: float) -> dict:
-    """Wait until the job ends; a requeued job pending on SLURM's requeue delay starts now."""
+    """Wait until the job ends; a requeued job pending on SLURM's requeue delay starts once 2 s have
+    passed since it was seen requeued. Started at once, slurmd may refuse it: a credential made in
+    the second it revoked the old one is refused ("Job credential revoked", a clean-clone CI run of
+    2026-12-02), one reason SLURM itself holds a requeued job back for minutes."""
     start = time.time()
+    requeued_at = None
     while True:
         info = cluster.job(job)
         if ended(info):
             return info
         if info["JobState"] == "PENDING" and info["Restarts"] != "0" and info.get("Reason") == "BeginTime":
-            cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+            requeued_at = requeued_at or time.time()
+            if time.time() - requeued_at >= 2:
+                cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
         if time.time() - start > timeout:
             out = output(workdir, job) if (workdir / f"arlopti-{job}.out").exists() else ""
             raise AssertionError(f"job {job} still {info['JobState']} after {timeout:.0f} s\n{out[-4000:]}\n"
