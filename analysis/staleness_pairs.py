@@ -1,0 +1,51 @@
+"""Paired by seed: what one step of staleness costs each method, from a sweep's results.json.
+
+    python analysis/staleness_pairs.py OUT/results.json
+
+For each method M of ``grpo`` and ``grpo_ar_lopti`` and each of its staleness variants (``M_k1``,
+``M_k1_tis``; ``python -m arlopti_jax.reproduce --variants ...``), the final evaluation's average
+greedy and sampled accuracy of the variant minus M's, seed by seed: their mean, the standard error
+of that mean over the seeds, and each seed's difference; then each variant's mean and standard
+deviation. Only finished runs count.
+"""
+
+import json
+import math
+import sys
+
+import numpy as np
+
+KEYS = ("eval/avg/greedy_acc", "eval/avg/sampled_acc")
+
+
+def main(path: str) -> int:
+    runs = json.load(open(path))["runs"]
+    seeds = sorted({run["seed"] for run in runs.values()})
+    variants = sorted({run["variant"] for run in runs.values()})
+
+    def final(variant, seed, key):
+        run = runs.get(f"{variant}/seed{seed}")
+        return run["evals"][-1][key] if run and run.get("finished") else None
+
+    for key in KEYS:
+        print(key)
+        for base in ("grpo", "grpo_ar_lopti"):
+            for other in (f"{base}_k1", f"{base}_k1_tis"):
+                d = [final(other, s, key) - final(base, s, key) for s in seeds
+                     if final(other, s, key) is not None and final(base, s, key) is not None]
+                if d:
+                    se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+                    print(f"  {other:22s} - {base:14s} {np.mean(d):+.3f} ({se:.3f}), n={len(d)}, by seed "
+                          + " ".join(f"{x:+.3f}" for x in d))
+        for v in variants:
+            vals = [x for x in (final(v, s, key) for s in seeds) if x is not None]
+            sd = np.std(vals, ddof=1) if len(vals) > 1 else float("nan")
+            print(f"  {v:22s} {np.mean(vals):.3f} (sd {sd:.3f}), n={len(vals)}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1]))
