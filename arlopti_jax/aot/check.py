@@ -354,10 +354,11 @@ def sampler_side(run, params) -> dict:
     the step's sync makes), the trained part in the sampler's compute dtype (LoRA: the adapters as trained,
     the base once); and the bytes one weight sync moves, in all and into each sampler device."""
     from arlopti_jax.models import param_shardings
+    from arlopti_jax.rl.pipeline import sync_dtype
 
     cfg, mesh = run.model_cfg, run.rollout_sampler.mesh
     shardings = param_shardings(cfg, mesh)
-    cast = cfg.compute_dtype if not cfg.lora_rank and cfg.compute_dtype != cfg.weight_dtype else None
+    cast = sync_dtype(cfg)
     moved = lambda x, sh: abstract(x.shape, cast if cast and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sh)
     trained, frozen = lora.trainable(cfg, params)
     sh_trained, sh_frozen = lora.trainable(cfg, shardings)

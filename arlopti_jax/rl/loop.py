@@ -131,8 +131,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
     target = resume.saved_state(model_cfg, run.state)
     sampler_mesh = run.rollout_sampler.mesh if run.rollout_sampler is not run.sampler else None
     # the sampler's own mesh: its copies in its compute dtype (the LoRA adapters as trained: merged there)
-    sync_dtype = (model_cfg.compute_dtype if sampler_mesh is not None and not model_cfg.lora_rank
-                  and model_cfg.compute_dtype != model_cfg.weight_dtype else None)
+    sync_dtype = sampling_loop.sync_dtype(model_cfg) if sampler_mesh is not None else None
     if staleness:  # the versions that sample the batches in flight (pipeline.checkpoint_versions)
         held = target["params"] if sync_dtype is None else jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, sync_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
@@ -178,8 +177,8 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
         trained_now, frozen = lora.trainable(model_cfg, params)
         shardings = None
         if sampler_mesh is not None:  # the trained part's shardings there; a LoRA base copied there once
-            shardings = lora.trainable(model_cfg, param_shardings(model_cfg, sampler_mesh))[0]
-            frozen = shd.transfer(frozen, lora.trainable(model_cfg, param_shardings(model_cfg, sampler_mesh))[1])
+            shardings, frozen_shardings = lora.trainable(model_cfg, param_shardings(model_cfg, sampler_mesh))
+            frozen = shd.transfer(frozen, frozen_shardings)
         loop = sampling_loop.Pipeline(
             Collector(config, run.rollout_sampler, run.sampling(), reward_fn, tokenizer, mesh, sampler_timer),
             sampler_timer, iterator, key, staleness, steps, frozen=frozen, background=jax.process_count() == 1,

@@ -51,6 +51,13 @@ def sampling_version(batch: int, k: int) -> int:
     return max(0, batch - k)
 
 
+def sync_dtype(cfg):
+    """The dtype the weight sync casts the trained parameters to on their way to the sampler's own
+    mesh: the compute dtype where the weights are stored in another, else None (kept); LoRA's
+    adapters are kept as trained (the sampler merges them in its own dtype)."""
+    return cfg.compute_dtype if not cfg.lora_rank and cfg.compute_dtype != cfg.weight_dtype else None
+
+
 def checkpoint_versions(step: int, k: int) -> list[int]:
     """The versions a checkpoint of ``step`` holds: one per batch in flight, step to step + k - 1."""
     return [sampling_version(step + j, k) for j in range(k)]
