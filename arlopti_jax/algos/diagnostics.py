@@ -47,6 +47,9 @@ def quartile_masks(old_logprobs: Array, response_mask: Array, edges: Array | Non
     return (q[None] == jnp.arange(4)[:, None, None]).astype(jnp.float32) * (response_mask > 0)
 
 
+_quartile_masks = jax.jit(quartile_masks)  # one program, not one per primitive (a resumed run compiles it late)
+
+
 @jax.jit
 def probability_quartiles(old_logprobs: Array, advantages: Array, response_mask: Array) -> dict[str, Array]:
     """{'edges': [3], 'count': [4], 'mean_prob': [4], 'mean_abs_adv': [4]}."""
@@ -69,7 +72,7 @@ def make_quartile_grad_norms(step: TrainStep):
 
     def quartile_grad_norms(params, batch, edges=None) -> np.ndarray:
         host = {k: dist.to_host(v) for k, v in batch.items()}
-        masks = np.asarray(quartile_masks(host["old_logprobs"], host["response_mask"], edges))
+        masks = np.asarray(_quartile_masks(host["old_logprobs"], host["response_mask"], edges))
         norms = []
         for mask in masks:
             restricted = {**host, "advantages": host["advantages"] * mask, "loss_mask": host["loss_mask"] * mask}

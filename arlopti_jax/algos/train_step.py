@@ -91,6 +91,8 @@ class OptimConfig:
                              f"total_steps > warmup_steps={self.warmup_steps}")
 
 
+_tree_norm = jax.jit(optax.tree.norm)  # the diagnostics' global norm: one program, not one per leaf op
+
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     if cfg.schedule == "warmup_cosine":
         return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps,
@@ -353,7 +355,7 @@ class TrainStep:
         batch = _dense_host(batch, self.keys)
         rows = np.arange(batch["input_ids"].shape[0])
         (grads, _), _ = self._accumulated(params, batch, rows, self.plan(batch, rows))
-        return grads, optax.tree.norm(grads)
+        return grads, _tree_norm(grads)
 
     def __call__(self, params, opt_state, batch: dict[str, Any]):
         batch = _dense_host(batch, self.keys)
