@@ -91,9 +91,9 @@ FIELD_DOCS = {
                              "consumes the batch sampled by the policy of step t - k (batch b by version "
                              "max(0, b - k): the initial policy samples batches 0 to k), pi_old recomputed by the "
                              "trainer at step t; the sampler waits, never drops a batch, and each batch's version is "
-                             "checked (`sampler/version`, `sampler/lag`); with one process it samples and scores the "
-                             "next batches in a thread while the update runs, on the trainer's devices or, with "
-                             "`rollout.devices`, its own (rl/pipeline.py); a checkpoint holds the k versions that "
+                             "checked (`sampler/version`, `sampler/lag`); the next batch is sampled at the start of "
+                             "each step, or, with `rollout.devices` on a GPU or TPU and one process, in a thread "
+                             "while the update runs (rl/pipeline.py); a checkpoint holds the k versions that "
                              "sample the batches in flight; 0 = on-policy",
     "rollout.correction": "the gap between pi_old and the behaviour policy (the sampler's log-probs), on the "
                           "policy-gradient term alone: `none`, `tis` (each token's weight min(pi_old / pi_behaviour, "

@@ -181,8 +181,9 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             frozen = shd.transfer(frozen, frozen_shardings)
         loop = sampling_loop.Pipeline(
             Collector(config, run.rollout_sampler, run.sampling(), reward_fn, tokenizer, mesh, sampler_timer),
-            sampler_timer, iterator, key, staleness, steps, frozen=frozen, background=jax.process_count() == 1,
-            shardings=shardings, dtype=sync_dtype)
+            sampler_timer, iterator, key, staleness, steps, frozen=frozen,
+            background=sampling_loop.in_thread(jax.process_count(), sampler_mesh), shardings=shardings,
+            dtype=sync_dtype)
         closing.append(loop.close)
         if restored is None or not staleness:  # the version that samples the first batch
             loop.snapshot(start_step, trained_now)

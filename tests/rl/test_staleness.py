@@ -121,18 +121,33 @@ def test_every_update_consumes_the_batch_of_the_version_before(one_step_off):
 
 
 @pytest.mark.slow
-def test_a_run_repeats_and_its_thread_changes_nothing(one_step_off, start_point, tmp_path, monkeypatch):
+def test_a_run_repeats_and_colocated_its_jobs_run_in_the_main_thread(one_step_off, start_point, tmp_path,
+                                                                     monkeypatch):
+    """On the CPU the sampler's jobs run where each batch is handed over, not in a worker thread: there
+    SmolLM2's rollouts came out wrong (rl/pipeline.py). A thread forced here gives the same records on
+    this small model. Only a sampler on its own accelerators with one process gets the thread."""
     _, want, _ = one_step_off
+    made = pipeline.Pipeline.__init__
+    flags = []
+
+    def spy(self, *args, **kwargs):
+        flags.append(kwargs["background"])
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline.Pipeline, "__init__", spy)
     train(make_config(staleness_values(start_point, tmp_path / "again")))
-    assert step_metrics(tmp_path / "again") == want
-    inline = pipeline.Pipeline.__init__
+    assert flags == [False] and step_metrics(tmp_path / "again") == want
 
-    def in_main_thread(self, *args, **kwargs):
-        inline(self, *args, **{**kwargs, "background": False})
+    def threaded(self, *args, **kwargs):
+        made(self, *args, **{**kwargs, "background": True})
 
-    monkeypatch.setattr(pipeline.Pipeline, "__init__", in_main_thread)
-    train(make_config(staleness_values(start_point, tmp_path / "inline")))
-    assert step_metrics(tmp_path / "inline") == want
+    monkeypatch.setattr(pipeline.Pipeline, "__init__", threaded)
+    train(make_config(staleness_values(start_point, tmp_path / "thread")))
+    assert step_metrics(tmp_path / "thread") == want
+    cpu = np.array(__import__("jax").devices()[:1]).reshape(1)
+    gpu = type("Mesh", (), {"devices": np.array([type("Device", (), {"platform": "gpu"})()])})()
+    assert not pipeline.in_thread(1, None) and not pipeline.in_thread(1, type("Mesh", (), {"devices": cpu})())
+    assert pipeline.in_thread(1, gpu) and not pipeline.in_thread(2, gpu)
 
 
 @pytest.mark.slow
@@ -191,3 +206,4 @@ def test_a_stop_signal_saves_stops_the_sampler_and_the_resumed_run_equals_uninte
     assert max(step_metrics(tmp_path / "run")) == 2
     train(make_config({**values, "resume": "auto"}))
     assert step_metrics(tmp_path / "run") == want
+
