@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -257,6 +258,7 @@ def main(argv=None) -> int:
                 times[label(name, g)].append(side(g))
             side.close()
         print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f"\nmedians of {args.rounds} interleaved rounds, {tokens:,} tokens a step (counted unshared):")
     print("| side | s/step | tok/s | / transformers | first call s | compile + 16 steps s | compile + 200 steps s |")

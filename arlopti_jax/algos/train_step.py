@@ -93,6 +93,7 @@ class OptimConfig:
 
 _tree_norm = jax.jit(optax.tree.norm)  # the diagnostics' global norm: one program, not one per leaf op
 
+
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     if cfg.schedule == "warmup_cosine":
         return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps,
