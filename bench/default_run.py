@@ -1,12 +1,17 @@
-"""The embedded default end to end, this checkout against another, interleaved: wall time, programs
-compiled, compile seconds, programs compiled after the first RL step, and the greedy accuracy before
-and after training.
+"""A config end to end (the embedded default unless ``--config``), this checkout against another,
+interleaved: wall time, programs compiled, compile seconds, programs compiled after the first RL step,
+and the greedy accuracy before and after training.
 
     python bench/default_run.py --before a0c05ac --rounds 1      # about 10 minutes on 2 CPU cores
+    python bench/default_run.py --before 737254d --config configs/smollm2.py:cpu \
+        --set model.path=$PWD/models/smollm2-135m --set data.train_files=$PWD/data/arith/train.parquet \
+        --set data.test_files=$PWD/data/arith/test.parquet     # about an hour: each side about 30 minutes
 
-Each run is ``python -m arlopti_jax.train`` with no flags but a fresh run folder (its start point
-built in it, as a new user's) and a fresh, empty compilation cache, with ``JAX_LOG_COMPILES=1``.
-The other commit runs from a git worktree of it (``--before``; ``none`` runs this checkout alone).
+Each run is ``python -m arlopti_jax.train`` with a fresh run folder (the default's start point
+built in it, as a new user's) and a fresh, empty compilation cache, with ``JAX_LOG_COMPILES=1``;
+``--config`` names the config as each checkout has it (its own file at that commit), and each ``--set
+KEY=VALUE`` is passed to both sides as ``--config.KEY=VALUE`` (use absolute paths: each side runs in its
+own checkout). The other commit runs from a git worktree of it (``--before``; ``none`` runs this checkout alone).
 Programs are JAX's "Finished XLA compilation of" lines; "after step 1" counts those written after
 the progress bar first shows a finished step. Rounds alternate which side goes first.
 """
@@ -42,18 +47,21 @@ def figures(log: str, run_dir: Path) -> dict:
     compiled = common.compile_log_figures(log, after=first.end() if first else 0)
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()] \
         if (run_dir / "eval.jsonl").is_file() else []
-    greedy = [e.get("eval/avg/greedy_acc") for e in evals]
+    names = [k for e in evals for k in e if k.endswith("/greedy_acc")]  # the average over test sets, or the one
+    key = "eval/avg/greedy_acc" if "eval/avg/greedy_acc" in names else next(iter(names), None)
+    greedy = [e.get(key) for e in evals if key in e]
     return {"programs": compiled["programs"], "compile_s": compiled["compile_s"],
             "after_step_1": len(compiled["late"]) if first else None, "late_names": sorted(set(compiled["late"])),
             "greedy_before": greedy[0] if greedy else None, "greedy_after": greedy[-1] if greedy else None}
 
 
-def run_default(checkout: Path, work: Path, tag: str) -> dict:
-    run_dir = work / tag / "default"
+def run_default(checkout: Path, work: Path, tag: str, config: str | None = None, sets: tuple = ()) -> dict:
+    run_dir = work / tag / "run"
     cache = work / tag / "cache"
     env = {**os.environ, "JAX_LOG_COMPILES": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(checkout)}
-    cmd = [sys.executable, "-m", "arlopti_jax.train", f"--config.run_dir={run_dir}",
-           f"--config.compile_cache_dir={cache}"]
+    cmd = [sys.executable, "-m", "arlopti_jax.train", *([f"--config={config}"] if config else []),
+           f"--config.run_dir={run_dir}", f"--config.compile_cache_dir={cache}",
+           *(f"--config.{kv}" for kv in sets)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -68,9 +76,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", default="none", help="the commit to compare with (a git worktree of it), or none")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--config", help="the config each side runs, from its own checkout (default: the embedded one)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for both sides (repeatable), e.g. model.path=/abs/models/smollm2-135m")
     ap.add_argument("--work", help="folder for the runs (default: a new one in /tmp)")
     ap.add_argument("--json", help="also write every run's figures here")
     args = ap.parse_args(argv)
+    bad = [kv for kv in args.set if "=" not in kv]
+    if bad:
+        ap.error(f"--set {bad[0]}: expected KEY=VALUE")
     work = Path(args.work or tempfile.mkdtemp(prefix="default_run_")).absolute()
     sides = {"after": ROOT}
     if args.before != "none":
@@ -78,7 +92,7 @@ def main(argv=None) -> int:
     results = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-            fig = run_default(sides[side], work, f"{side}_{r}")
+            fig = run_default(sides[side], work, f"{side}_{r}", args.config, tuple(args.set))
             results[side].append(fig)
             print(f"round {r + 1} {side}: {json.dumps(fig)}", flush=True)
     print("\n| side | wall s | programs | compile s | after step 1 | greedy before -> after |")

