@@ -20,13 +20,13 @@ Where (``in_thread``): with the sampler on its own accelerators (``rollout.devic
 process, its jobs run in a worker thread, one after another, so sampling and the host's reward
 scoring of the next batches overlap the update. Otherwise they run in the main thread at the point
 each batch is handed over: several processes must launch their programs in the same order, which a
-second thread per process would not keep; and on the CPU a worker thread's rollouts came out wrong.
-There, on 2026-12-03, SmolLM2's k = 1 run at a learning rate of 1e-12 (every version the same
-policy) measured a pi_old / pi_behaviour KL of 1.8-2.2 at step 2 with its rollouts beside the update
-on one device (0.34 with XNNPACK off), 0.21 with the sampler on a device of its own, and 0 with
-them in the main thread; on the tests' small model the thread changed nothing. The cause inside the
-runtime was not found, and the thread has not run on a GPU or TPU. The schedule is the same either
-way, so the records are too.
+second thread per process would not keep; and on the CPU (jax 0.10.2) the sampler's decode loop
+computes wrong log-probs while another thread runs any XLA program, a bare matmul included
+(``bench/cpu_thread_race.py``). There, on 2026-12-03, SmolLM2's k = 1 run at a learning rate of 1e-12
+(every version the same policy) measured a pi_old / pi_behaviour KL of 1.8-2.2 at step 2 with its
+rollouts beside the update on one device, 0.21 with the sampler on a device of its own, and 0 with
+them in the main thread; on the tests' small model the thread changed nothing. The thread has not
+run on a GPU or TPU. The schedule is the same either way, so the records are too.
 
 The sampler reads its own copy of the trained parameters (``snapshot``: one program copies them,
 with LoRA the adapters alone; the frozen base is shared), since the update donates the trainer's.
