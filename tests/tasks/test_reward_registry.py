@@ -165,7 +165,9 @@ def test_time_limit_is_the_last_resort_for_math_on_every_path(num_workers, n, mo
                       failure_score=-1.0)
     elapsed = time.monotonic() - start
     assert got == [1.0, -1.0] + [1.0] * (n - 2)
-    assert elapsed < 10.0, elapsed  # stopped at this 1 s limit (unstopped, the tower runs for minutes)
+    # stopped at this 1 s limit (unstopped, the tower runs for minutes); the rest is the pool's replacement
+    # of the killed worker, which imports math-verify again: 10.5 s on 2 busy cores on 2026-12-05
+    assert elapsed < 30.0, elapsed
 
 
 def test_the_guard_answers_a_power_tower_at_once_on_every_path():
