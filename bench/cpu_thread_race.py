@@ -53,7 +53,10 @@ def main(argv=None) -> int:
         ap.error(f"--shape {args.shape}: expected smollm2 or one of {sorted(common.SHAPES)}")
     mesh = shd.make_mesh({"fsdp": -1}, jax.devices()[:1])
     if args.model:
-        cfg, params = load_pretrained(args.model, mesh=mesh, dtype="float32", param_dtype="float32")
+        try:
+            cfg, params = load_pretrained(args.model, mesh=mesh, dtype="float32", param_dtype="float32")
+        except (OSError, ValueError) as err:
+            ap.error(f"--model {args.model}: {err}")
         what = f"{args.model} (float32)"
     else:
         dims = SMOLLM2 if args.shape == "smollm2" else common.dims(args.shape)
