@@ -4,9 +4,10 @@
 
 For each method M of ``grpo`` and ``grpo_ar_lopti`` and each of its staleness variants (``M_k1``,
 ``M_k1_tis``; ``python -m arlopti_jax.reproduce --variants ...``), the final evaluation's average
-greedy and sampled accuracy of the variant minus M's, seed by seed: their mean, the standard error
-of that mean over the seeds, and each seed's difference; then each variant's mean and standard
-deviation. Only finished runs count.
+greedy accuracy, sampled accuracy and pass@4 of the variant minus M's, seed by seed: their mean,
+the standard error of that mean over the seeds, and each seed's difference; then whether AR + Lopti
+changes that cost (``grpo_ar_lopti``'s difference minus ``grpo``'s, seed by seed); then each
+variant's mean and standard deviation. Only finished runs count.
 """
 
 import json
@@ -15,7 +16,7 @@ import sys
 
 import numpy as np
 
-KEYS = ("eval/avg/greedy_acc", "eval/avg/sampled_acc")
+KEYS = ("eval/avg/greedy_acc", "eval/avg/sampled_acc", "eval/avg/pass@4")
 
 
 def main(path: str) -> int:
@@ -37,6 +38,14 @@ def main(path: str) -> int:
                     se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
                     print(f"  {other:22s} - {base:14s} {np.mean(d):+.3f} ({se:.3f}), n={len(d)}, by seed "
                           + " ".join(f"{x:+.3f}" for x in d))
+        for k in ("k1", "k1_tis"):
+            d = [(final(f"grpo_ar_lopti_{k}", s, key) - final("grpo_ar_lopti", s, key))
+                 - (final(f"grpo_{k}", s, key) - final("grpo", s, key)) for s in seeds
+                 if None not in (final(f"grpo_ar_lopti_{k}", s, key), final("grpo_ar_lopti", s, key),
+                                 final(f"grpo_{k}", s, key), final("grpo", s, key))]
+            if d:
+                se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+                print(f"  AR + Lopti's cost of {k} minus GRPO's {np.mean(d):+.3f} ({se:.3f}), n={len(d)}")
         for v in variants:
             vals = [x for x in (final(v, s, key) for s in seeds) if x is not None]
             sd = np.std(vals, ddof=1) if len(vals) > 1 else float("nan")
