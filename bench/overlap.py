@@ -47,11 +47,17 @@ DEVICES = {"colocated4": 4}  # host devices per layout (default 8)
 def one_run(run_dir: Path, flags: list[str], steps: int, devices: int = 8) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # a run folder left from before would be resumed, not run
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, "-m", "arlopti_jax.train", f"--config.run_dir={run_dir}",
-                    f"--config.train.max_steps={steps}", "--config.train.export_at_end=False",
-                    "--config.train.eval_before=False", f"--config.train.eval_every={10 * steps}",
-                    "--config.data.test_files=", *flags], env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    # ml_collections wants --config=FILE before any --config.FIELD override
+    first = [f for f in flags if f.startswith("--config=")]
+    done = subprocess.run([sys.executable, "-m", "arlopti_jax.train", *first, f"--config.run_dir={run_dir}",
+                           f"--config.train.max_steps={steps}", "--config.train.export_at_end=False",
+                           "--config.train.eval_before=False", f"--config.train.eval_every={10 * steps}",
+                           "--config.data.test_files=", *[f for f in flags if f not in first]], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        errors = [line for line in done.stderr.splitlines() if line.startswith(("error", "Error", "FATAL"))]
+        raise SystemExit(f"error: the run in {run_dir} failed (exit {done.returncode}): "
+                         + (errors or done.stderr.strip().splitlines() or ["no output"])[-1])
     recs = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "time/step" in r]
     later = recs[1:]  # the first step compiles
     step = statistics.median(r["time/step"] for r in later)
