@@ -14,7 +14,8 @@ on every layout alike), on 8 host CPU devices (``colocated4``: 4):
   colocated4  today's trainer on 4 devices alone: the split's trainer mesh, with no sampler beside it
 
 and prints per layout the median over rounds of each run's median step seconds (``time/step``, the
-steps after the first: the first compiles), the ratio to ``colocated``, and each side's busy share
+steps after the first and before the last: the first compiles, and at k >= 1 the last
+samples nothing), the ratio to ``colocated``, and each side's busy share
 of the step: the sampler's (``time/sampler_busy``, its rollout and scoring of a batch) and the
 trainer's (the step less its wait for the batch, ``time/trainer_wait``). With k = 0 the sampler's
 time is the step's rollout and reward phases. The host devices share this machine's cores, so
@@ -59,7 +60,8 @@ def one_run(run_dir: Path, flags: list[str], steps: int, devices: int = 8) -> di
         raise SystemExit(f"error: the run in {run_dir} failed (exit {done.returncode}): "
                          + (errors or done.stderr.strip().splitlines() or ["no output"])[-1])
     recs = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "time/step" in r]
-    later = recs[1:]  # the first step compiles
+    # the first step compiles; at k >= 1 the last has no batch left to sample, so it is left out too
+    later = recs[1:-1] if len(recs) > 2 else recs[1:]
     step = statistics.median(r["time/step"] for r in later)
     sampler = statistics.median(r.get("time/sampler_busy", r.get("time/rollout", 0) + r.get("time/reward", 0))
                                 for r in later)
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
         med = lambda key: statistics.median(g[key] for g in results[name])
         print(f"{name:11s} {med('step'):8.2f} {base / med('step'):13.2f}x {med('sampler_busy'):13.0%} "
               f"{med('trainer_busy'):13.0%} {med('sync'):7.3f} {med('reward'):12.3f}")
-    print(f"(medians over {args.rounds} rounds of each run's median step, steps 2-{args.steps}; runs in {out})")
+    print(f"(medians over {args.rounds} rounds of each run's median step, steps 2-{max(2, args.steps - 1)}; "
+          f"runs in {out})")
     return 0
 
 
