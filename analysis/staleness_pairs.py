@@ -28,21 +28,23 @@ def main(path: str) -> int:
         run = runs.get(f"{variant}/seed{seed}")
         return run["evals"][-1][key] if run and run.get("finished") else None
 
+    def cost(base, variant, seed, key):  # the variant's final figure minus its method's at k = 0
+        a, b = final(variant, seed, key), final(base, seed, key)
+        return None if a is None or b is None else a - b
+
     for key in KEYS:
         print(key)
         for base in ("grpo", "grpo_ar_lopti"):
             for other in (f"{base}_k1", f"{base}_k1_tis"):
-                d = [final(other, s, key) - final(base, s, key) for s in seeds
-                     if final(other, s, key) is not None and final(base, s, key) is not None]
+                d = [c for c in (cost(base, other, s, key) for s in seeds) if c is not None]
                 if d:
                     se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
                     print(f"  {other:22s} - {base:14s} {np.mean(d):+.3f} ({se:.3f}), n={len(d)}, by seed "
                           + " ".join(f"{x:+.3f}" for x in d))
         for k in ("k1", "k1_tis"):
-            d = [(final(f"grpo_ar_lopti_{k}", s, key) - final("grpo_ar_lopti", s, key))
-                 - (final(f"grpo_{k}", s, key) - final("grpo", s, key)) for s in seeds
-                 if None not in (final(f"grpo_ar_lopti_{k}", s, key), final("grpo_ar_lopti", s, key),
-                                 final(f"grpo_{k}", s, key), final("grpo", s, key))]
+            pairs = [(cost("grpo_ar_lopti", f"grpo_ar_lopti_{k}", s, key), cost("grpo", f"grpo_{k}", s, key))
+                     for s in seeds]
+            d = [a - b for a, b in pairs if a is not None and b is not None]
             if d:
                 se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
                 print(f"  AR + Lopti's cost of {k} minus GRPO's {np.mean(d):+.3f} ({se:.3f}), n={len(d)}")
