@@ -68,6 +68,9 @@ fi
 echo "slurm_gpu.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}), ${SLURM_NNODES:-?} nodes," \
   "${SLURM_NTASKS:-?} tasks x $cpus_per_task CPUs, coordinator $head_node:$port" >&2
 
+# --kill-on-bad-exit: a task that fails takes the others down with it (they would wait for it at the
+# next collective). A stopping trainer ignores further stop signals once its checkpoint is saved, so
+# the SIGTERM this sends to the tasks still leaving after the first exits with 75 leaves their 75 as is.
 status=0
 srun --kill-on-bad-exit=1 --cpus-per-task="$cpus_per_task" \
   "$python" -m "$module" --config.distributed.coordinator="$head_node:$port" "$@" || status=$?

@@ -379,7 +379,7 @@ def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.Compil
             break
 
     ckpt.close()
-    preempted.close()
+    preempted.close(stopping=stopped)
     finished = not stopped
     history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
                           compile_log.programs - history.get("warm", compile_log.programs))

@@ -208,10 +208,14 @@ class PreemptionFlag:
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
-    def close(self) -> None:
-        """Put back the handlers that were installed before."""
+    def close(self, stopping: bool = False) -> None:
+        """Put back the handlers that were installed before; while ``stopping`` (a stop signal ended the
+        run), ignore those signals instead. A run that stops is already leaving with its checkpoint saved,
+        and a second signal would turn its exit status 75 into death by that signal: ``srun
+        --kill-on-bad-exit`` sends SIGTERM to the tasks still leaving once the first has exited with 75,
+        and launch/slurm_gpu.sh requeues only a 75."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)
         self._previous = {}
 
     def _handle(self, signum, frame):

@@ -1,5 +1,8 @@
 """Checkpointer: a mismatch is told apart from damage; damage is set aside, never restarted over."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +88,27 @@ def test_the_parameters_alone_restore_on_another_mesh(tmp_path):
 def test_leaves_names_tuples_and_lists_alike():
     tree = {"a": ({"b": jnp.zeros((2, 3))}, None), "c": [jnp.ones(4, jnp.int32)]}
     assert leaves(tree) == {"a/0/b": ((2, 3), "float32"), "c/0": ((4,), "int32")}
+
+
+_SECOND_SIGNAL = """
+import os, signal, sys, time
+from arlopti_jax.store.checkpoint import PreemptionFlag
+flag = PreemptionFlag()
+os.kill(os.getpid(), signal.SIGTERM)  # the stop: caught, the run saves and leaves
+time.sleep(0.2)
+assert flag
+flag.close(stopping=sys.argv[1] == "stopping")
+os.kill(os.getpid(), signal.SIGTERM)  # srun --kill-on-bad-exit's, once another task has exited with 75
+time.sleep(0.2)
+sys.exit(75)
+"""
+
+
+@pytest.mark.parametrize("stopping, status", [(True, 75), (False, -15)])
+def test_a_stopping_run_keeps_its_exit_status_through_a_second_stop_signal(stopping, status):
+    """A run that a stop signal ended ignores the next one (it would turn exit status 75, the one
+    launch/slurm_gpu.sh requeues, into 143); a run closed otherwise gets the handler it had before."""
+    mode = "stopping" if stopping else "finished"
+    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, mode], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr[-2000:]
+
