@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from arlopti_jax.runtime import chips
+from arlopti_jax.runtime import chips, faults
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.rl import run_setup
@@ -67,6 +67,7 @@ def main(argv) -> int:
     except (CheckpointMismatch, CheckpointUnreadable) as err:  # found as the checkpoint is read
         print(f"error: {err}", file=sys.stderr)
         return 2
+    faults.point("exit")
     return STOPPED_EXIT_CODE if summary["preempted"] else 0  # 75: a stop signal ended it, resume me
 
 

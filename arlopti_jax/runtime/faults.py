@@ -23,6 +23,8 @@ The sites, each where the code that owns the file writes it:
     start_point           the start point built, before its folder is renamed into place
     converter             the GGUF converter's folder, weights written, the rest not
     package_file          a package's GGUF file being unpacked into the download cache
+    exit                  a stopped or finished trainer about to leave (train.main): with the
+                          signal set, the second stop signal ``srun --kill-on-bad-exit`` sends
 
 ``tests/runtime/test_faults.py`` kills a run at each site and checks that the resumed run's records
 equal the uninterrupted run's.
@@ -37,7 +39,7 @@ from typing import IO
 ENV = "ARLOPTI_FAULT"
 SIGNAL_ENV = "ARLOPTI_FAULT_SIGNAL"
 SITES = ("metrics", "eval", "generations", "checkpoint_write", "checkpoint_commit", "checkpoint_committed",
-         "results", "worker_records", "start_point", "converter", "package_file")
+         "results", "worker_records", "start_point", "converter", "package_file", "exit")
 _passes: dict[str, int] = {}
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from arlopti_jax.rl import run_setup
-from arlopti_jax.runtime import compiles
+from arlopti_jax.runtime import compiles, faults
 from arlopti_jax.store.checkpoint import Checkpointer
 from arlopti_jax.train import train
 
@@ -99,11 +99,14 @@ def test_dynamic_sampling_diagnostics_and_pass_at_k_resume_exactly(start_point, 
 
 
 def test_sigterm_leaves_a_loadable_checkpoint(start_point, tmp_path):
-    """SIGTERM: a checkpoint of the last step, waited for and timed, and exit code 75; with
-    ``train.save_every_s`` a checkpoint at every step's end, though ``save_every`` is never due."""
+    """SIGTERM: a checkpoint of the last step, waited for and timed, and exit code 75, kept through a
+    second SIGTERM as the process leaves (``srun --kill-on-bad-exit`` sends one to the tasks still
+    leaving when the first has exited); with ``train.save_every_s`` a checkpoint at every step's end,
+    though ``save_every`` is never due."""
     values = overrides(start_point, tmp_path / "t", **{"train.max_steps": 50, "train.save_every": 100,
                                                        "train.save_every_s": 1e-6})
-    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, faults.ENV: "exit:1", faults.SIGNAL_ENV: "SIGTERM"}
+    proc = subprocess.Popen(cli(values), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     metrics = tmp_path / "t" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, proc)
     proc.send_signal(signal.SIGTERM)
