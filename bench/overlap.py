@@ -15,7 +15,9 @@ on every layout alike), on 8 host CPU devices (``colocated4``: 4):
 
 and prints per layout the median over rounds of each run's median step seconds (``time/step``, the
 steps after the first and before the last: the first compiles, and at k >= 1 the last
-samples nothing), the ratio to ``colocated``, and each side's busy share
+samples nothing), the ratio to ``colocated``, step 1's sampler/trainer KL (``offpolicy/kl_k3`` at
+k >= 1, else ``update/ppo_kl``: step 1 samples with the trainer's own weights, so anything above
+float rounding means the sampler's decode was wrong, and the layout is named in a warning), and each side's busy share
 of the step: the sampler's (``time/sampler_busy``, its rollout and scoring of a batch) and the
 trainer's (the step less its wait for the batch, ``time/trainer_wait``). With k = 0 the sampler's
 time is the step's rollout and reward phases. The host devices share this machine's cores, so
@@ -43,6 +45,7 @@ LAYOUTS = {
     "colocated4": [],  # on 4 devices: the trainer's mesh of split0 and split1, sampling on it too
 }
 DEVICES = {"colocated4": 4}  # host devices per layout (default 8)
+KL_BROKEN = 0.1  # step 1's sampler/trainer KL above this: the sampler's decode was wrong (float rounding: < 0.01)
 
 
 def one_run(run_dir: Path, flags: list[str], steps: int, devices: int = 8) -> dict:
@@ -68,8 +71,11 @@ def one_run(run_dir: Path, flags: list[str], steps: int, devices: int = 8) -> di
     waited = statistics.median(r.get("time/trainer_wait", r.get("time/rollout", 0) + r.get("time/reward", 0))
                                for r in later)
     sync = statistics.median(r.get("time/weight_sync", 0.0) for r in later)
+    # step 1 samples with the weights the trainer holds: the sampler's log-probs must be the trainer's
+    first = recs[0]
+    kl = first.get("offpolicy/kl_k3", first.get("update/ppo_kl", first.get("update/low/ppo_kl", 0.0)))
     return {"step": step, "sampler_busy": sampler / step, "trainer_busy": (step - waited) / step, "sync": sync,
-            "reward": statistics.mean(r["reward/mean"] for r in recs)}
+            "reward": statistics.mean(r["reward/mean"] for r in recs), "kl1": kl}
 
 
 def main(argv=None) -> int:
@@ -94,11 +100,20 @@ def main(argv=None) -> int:
             print(f"round {r} {name:11s} {got['step']:7.2f} s a step", flush=True)
     base = statistics.median(g["step"] for g in results[layouts[0]])
     print(f"\n{'layout':11s} {'s/step':>8s} {'x ' + layouts[0]:>14s} {'sampler busy':>13s} {'trainer busy':>13s} "
-          f"{'sync s':>7s} {'mean reward':>12s}")
+          f"{'sync s':>7s} {'mean reward':>12s} {'step-1 KL':>10s}")
+    broken = []
     for name in layouts:
         med = lambda key: statistics.median(g[key] for g in results[name])
+        worst = max(g["kl1"] for g in results[name])
         print(f"{name:11s} {med('step'):8.2f} {base / med('step'):13.2f}x {med('sampler_busy'):13.0%} "
-              f"{med('trainer_busy'):13.0%} {med('sync'):7.3f} {med('reward'):12.3f}")
+              f"{med('trainer_busy'):13.0%} {med('sync'):7.3f} {med('reward'):12.3f} {worst:10.4f}")
+        if worst > KL_BROKEN:
+            broken.append(name)
+    if broken:
+        print(f"warning: {', '.join(broken)}: at step 1 the sampler's log-probs disagree with the trainer's "
+              f"(KL > {KL_BROKEN}, where float rounding gives under 0.01): its decode was wrong, so its "
+              "responses and seconds are not the model's. Seen on XLA:CPU with several host devices "
+              "(docs/measurements/journal.md, 2026-12-06)")
     print(f"(medians over {args.rounds} rounds of each run's median step, steps 2-{max(2, args.steps - 1)}; "
           f"runs in {out})")
     return 0
