@@ -25,15 +25,23 @@ def _cpu_fusions_by_xla() -> None:
     -> 33.5 s a step: the log-softmax's reductions over a 49,152-token vocabulary ran 3x slower in
     YNNPACK) and the tiny Qwen2's 1.2x (docs/reference/performance.md, "XLA:CPU's fusions"). It
     touches only the CPU backend; a value the user set for the flag is kept. Only on the jaxlib it was
-    measured on: XLA ends the process on a flag its release does not know."""
+    measured on: XLA ends the process on a flag its release does not know. Not with several host
+    devices (``--xla_force_host_platform_device_count=N``, N > 1): there XLA's own fusions made
+    SmolLM2's greedy decode wrong after a few tokens on any mesh of 2 or more devices (all 32 rows
+    of a probe, log-probs off by 23 from a forward pass; step 1's sampler/trainer KL 3.4 in a
+    training run), where YNNPACK's are exact (2026-12-06, docs/measurements/journal.md)."""
     import importlib.metadata
     import os
+    import re
 
     try:
         measured = importlib.metadata.version("jaxlib").startswith("0.10.")
     except importlib.metadata.PackageNotFoundError:
         return
     flags = os.environ.get("XLA_FLAGS", "")
+    count = re.search(r"xla_force_host_platform_device_count=(\d+)", flags)
+    if count and int(count.group(1)) > 1:
+        return
     if measured and "xla_cpu_experimental_ynn_fusion_type" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_experimental_ynn_fusion_type=").strip()
 
