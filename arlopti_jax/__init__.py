@@ -29,7 +29,9 @@ def _cpu_fusions_by_xla() -> None:
     devices (``--xla_force_host_platform_device_count=N``, N > 1): there XLA's own fusions made
     SmolLM2's greedy decode wrong after a few tokens on any mesh of 2 or more devices (all 32 rows
     of a probe, log-probs off by 23 from a forward pass; step 1's sampler/trainer KL 3.4 in a
-    training run), where YNNPACK's are exact (2026-12-06, docs/measurements/journal.md)."""
+    training run), where YNNPACK's are exact (2026-12-06, docs/measurements/journal.md). The same
+    flag makes the decode wrong beside a concurrent program on one device (``bench/cpu_thread_race.py``),
+    which is why the CPU runs the sampling loop's jobs in the main thread (``rl.pipeline.in_thread``)."""
     import importlib.metadata
     import os
     import re

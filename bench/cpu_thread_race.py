@@ -15,8 +15,10 @@ On 2026-12-05 (jax/jaxlib 0.10.2, this 2-core machine, the SmolLM2 checkpoint ra
 weights) the concurrent calls did not: 50-308 of 768 tokens differed, log-probs by 3-13, while
 prefill, the decode's start and a plain forward stayed exact; see docs/measurements/journal.md,
 "CPU, 2026-12-05 (issue 66)". This is why ``rl.pipeline.in_thread`` never runs the sampling
-loop's jobs in a worker thread on the CPU. Run it after a jaxlib upgrade: 0 rows everywhere
-means the CPU could overlap sampling and the update in one process again.
+loop's jobs in a worker thread on the CPU. On 2026-12-06 the cause was found: the package's
+``--xla_cpu_experimental_ynn_fusion_type=`` (XLA:CPU's own fusions, set for one host device). With
+it taken out of XLA_FLAGS after the package's import, 0 rows beside the thread; with it, 32 of 32.
+Run it after a jaxlib upgrade, or before letting the CPU use the thread again.
 """
 
 import argparse

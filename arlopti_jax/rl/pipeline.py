@@ -22,7 +22,9 @@ scoring of the next batches overlap the update. Otherwise they run in the main t
 each batch is handed over: several processes must launch their programs in the same order, which a
 second thread per process would not keep; and on the CPU (jax 0.10.2) the sampler's decode loop
 computes wrong log-probs while another thread runs any XLA program, a bare matmul included
-(``bench/cpu_thread_race.py``). There, on 2026-12-03, SmolLM2's k = 1 run at a learning rate of 1e-12
+(``bench/cpu_thread_race.py``), under the XLA:CPU fusions the package sets for one host device
+(``arlopti_jax/__init__.py``; with YNNPACK's the same script is exact, 2026-12-06). There, on
+2026-12-03, SmolLM2's k = 1 run at a learning rate of 1e-12
 (every version the same policy) measured a pi_old / pi_behaviour KL of 1.8-2.2 at step 2 with its
 rollouts beside the update on one device, 0.21 with the sampler on a device of its own, and 0 with
 them in the main thread; on the tests' small model the thread changed nothing. The thread has not
