@@ -34,7 +34,7 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
@@ -92,8 +92,8 @@ def _config(folder: Path, cpus: int) -> str:
     return f"""\
 ClusterName=arlopti
 SlurmctldHost=localhost
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -47,7 +47,11 @@ def cluster(tmp_path_factory):
 def submit(cluster, workdir: Path, args: list[str], *sbatch: str, module: str | None = None,
            devices: int = 4) -> str:
     """``sbatch [SBATCH...] launch/slurm_gpu.sh ARGS`` from ``workdir``; returns the job id."""
+    # a port of its own: the script's default (20000 + job id) is the same for the two xdist workers'
+    # clusters, which both number their jobs from 1, and two jobs on one coordinator port abort
+    # (seen 2026-12-06 when both workers ran this file's trainer jobs at once)
     env = {**cluster.env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
+           "ARLOPTI_COORDINATOR_PORT": str(slurm_cluster.free_port()),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")])}
     if module:
