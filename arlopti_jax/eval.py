@@ -135,6 +135,9 @@ def main(argv) -> int:
 
 
 def _cli():
+    from arlopti_jax.runtime import process
+
+    process.prepare()  # this command's own settings, before anything starts the backend
     from absl import flags
 
     from arlopti_jax.config.cli import define_config_file, parse_command_line

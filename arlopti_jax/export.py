@@ -111,4 +111,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from arlopti_jax.runtime import process
+
+    process.prepare()  # this command's own settings, before anything starts the backend
     sys.exit(main())

@@ -136,6 +136,9 @@ def main(argv) -> int:
 
 
 def _cli():
+    from arlopti_jax.runtime import process
+
+    process.prepare()  # this command's own settings, before anything starts the backend
     from ml_collections import config_flags
 
     from arlopti_jax.config.cli import parse_command_line

@@ -72,6 +72,9 @@ def main(argv) -> int:
 
 
 def _cli():
+    from arlopti_jax.runtime import process
+
+    process.prepare()  # this command's own settings, before anything starts the backend
     from arlopti_jax.config.cli import define_config_file, parse_command_line
 
     sys.exit(main(parse_command_line(sys.argv, COMMAND, define_config_file)))

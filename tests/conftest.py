@@ -5,18 +5,20 @@ import sys
 # Eight fake CPU devices so sharding tests exercise real meshes. Must precede the jax import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Tests compile thousands of small programs and run each a few times: XLA:CPU's cheapest code
-# generation cut a cold default suite's backend compile from 1,783 s to 652 s (2026-11-29).
-# The 8 fake devices are 8 threads that meet at every collective, and XLA ends the process when one
-# is 40 s late: on 2 busy cores that aborted an end-to-end test twice (2026-11-29), so allow 10 minutes.
-# Inherited by the processes tests launch (xdist's workers too); a flag already in XLA_FLAGS is left
-# as set. XLA ends the process on a flag it does not know, and flags come and go between jaxlib
-# releases (jaxlib 0.11 dropped the fusion-emitter one), so a child process tries them first.
-# The tests keep XLA's own fusions (the package sets them for one host device only): what the suite
-# was timed and checked with; on its tiny shapes they are exact, and tests/models/test_real_model.py
-# checks SmolLM2's decode on 2 devices under the package's own choice (YNNPACK's).
+# generation cut a cold default suite's backend compile from 1,783 s to 652 s (2026-11-29). These
+# flags choose how much the compiler optimizes, not which fusions it emits: XLA:CPU's fusions are
+# XLA's default (YNNPACK's), what a user's command gets (runtime/process.py; the empty
+# --xla_cpu_experimental_ynn_fusion_type= the package and this file set until 2026-12-07 made
+# SmolLM2's decode wrong on several host devices). The 8 fake devices are 8 threads that meet at
+# every collective: the scheduler flag is the one the commands set with several host devices
+# (runtime/process.py), and XLA ends the process when one is 40 s late, which on 2 busy cores aborted
+# an end-to-end test twice (2026-11-29), so allow 10 minutes. Inherited by the processes tests launch
+# (xdist's workers too); a flag already in XLA_FLAGS is left as set. XLA ends the process on a flag
+# it does not know, and flags come and go between jaxlib releases (jaxlib 0.11 dropped the
+# fusion-emitter one), so a child process tries them first.
 TEST_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true",
               "--xla_cpu_use_fusion_emitters": "false", "--xla_cpu_collective_call_terminate_timeout_seconds": "600",
-              "--xla_cpu_experimental_ynn_fusion_type": ""}
+              "--xla_cpu_enable_concurrency_optimized_scheduler": "false"}
 
 
 def _known_to_xla(flags: list[str]) -> list[str]:

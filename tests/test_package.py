@@ -1,4 +1,4 @@
-"""What importing the package sets up before JAX starts its backend."""
+"""Importing the package sets nothing; a command sets its own process's settings and says so."""
 
 import os
 import subprocess
@@ -6,75 +6,89 @@ import sys
 
 import pytest
 
-FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
-YNN = "--xla_cpu_experimental_ynn_fusion_type"
+SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
+# In a fresh interpreter: JAX imported first, then a snapshot of the environment, of every jax.config
+# value and of what file descriptor 2 is; then the package and each subpackage (every module a
+# command imports) imported; then the same snapshot. ``hide`` makes the accelerator plugins of .[aot]
+# (jax_plugins, libtpu) unimportable, as on a machine without them.
+_INERT = """
+import importlib, json, os, sys
+if sys.argv[1] == "hide":
+    class Hide:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("jax_plugins", "libtpu"):
+                raise ModuleNotFoundError(name)
+    sys.meta_path.insert(0, Hide())
+import jax
+
+def snapshot():
+    stat = os.fstat(2)
+    return {"environ": dict(os.environ), "fd2": [stat.st_dev, stat.st_ino, os.readlink("/proc/self/fd/2")],
+            "config": {k: repr(v) for k, v in jax.config.values.items()}}
+
+before = snapshot()
+import arlopti_jax
+for name in ("runtime", "models", "algos", "rollout", "tasks", "config", "store", "finetune", "embedded", "rl",
+             "experiments", "aot", "aot.__main__", "train", "eval", "sft", "export", "plot", "reproduce", "warm_start"):
+    importlib.import_module(f"arlopti_jax.{name}")
+after = snapshot()
+print(json.dumps({k: [before[k], after[k]] for k in before}))
+"""
 
 
-@pytest.mark.parametrize("flags,expected", [
-    # several host devices: YNNPACK's fusions (XLA's own made SmolLM2's decode wrong there, 2026-12-06)
-    ("--xla_force_host_platform_device_count=8", f"--xla_force_host_platform_device_count=8 {FLAG}=false"),
-    ("--xla_force_host_platform_device_count=1", f"--xla_force_host_platform_device_count=1 {FLAG}=false {YNN}="),
-    (f"--xla_force_host_platform_device_count=4 {FLAG}=true {YNN}=dot",
-     f"--xla_force_host_platform_device_count=4 {FLAG}=true {YNN}=dot"),
-    ("", f"{YNN}="),  # one host device: no collectives, XLA's own fusions
+@pytest.mark.parametrize("plugins", ["installed", "hide"])
+def test_importing_the_package_sets_no_environment_no_jax_config_and_no_file_descriptor(plugins):
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # where the package once added flags
+    proc = subprocess.run([sys.executable, "-c", _INERT, plugins], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for what, (before, after) in got.items():
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)) \
+            if isinstance(before, dict) else (before != after)
+        assert not changed, f"importing the package changed {what}: {changed}"
+
+
+@pytest.mark.parametrize("environ,expected,added", [
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+     f"--xla_force_host_platform_device_count=8 {SCHEDULER}=false", True),
+    ({"XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "4"}, f"{SCHEDULER}=false", True),  # JAX's own setting counts too
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, "--xla_force_host_platform_device_count=1", False),
+    ({"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {SCHEDULER}=true"},  # the user's choice stands
+     f"--xla_force_host_platform_device_count=4 {SCHEDULER}=true", False),
+    ({}, "", False),
 ])
-def test_several_host_devices_get_collectives_in_one_order(flags, expected):
-    """Several host devices in one process: the scheduler that deadlocked 8-device FSDP steps on
-    2 cores is off, unless the user chose it, and it is in force when the backend starts. With one
-    host device XLA:CPU emits its fusions itself (not YNNPACK's) unless the user chose otherwise."""
-    code = ("import os, arlopti_jax, jax; print(os.environ.get('XLA_FLAGS', '')); "
-            "print(len(jax.devices()))")
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got, devices = proc.stdout.split("\n")[:2]
-    import importlib.metadata
+def test_a_command_sets_the_scheduler_flag_only_with_several_host_devices(environ, expected, added):
+    from arlopti_jax.runtime import process
 
-    if not importlib.metadata.version("jaxlib").startswith("0.10.") and f"{YNN}=dot" not in flags:
-        expected = expected.replace(f"{YNN}=", "").strip()  # the fusion flag is set on the jaxlib measured alone
-    assert got.strip() == expected and int(devices) == (int(flags.split("=")[1].split()[0]) if flags else 1)
+    flags, lines = process.command_flags(environ)
+    assert flags == expected and bool(lines) == added
+    assert "ynn" not in flags  # XLA:CPU's fusions are XLA's default: nobody sets them
 
 
-@pytest.mark.parametrize("files,plugins,libtpu,expected,left", [
-    ((), ["xla_cuda12"], True, "cpu", {"cuda", "tpu"}),  # .[aot] on a CPU machine
-    (("/dev/nvidia0",), ["xla_cuda12"], True, "cuda,cpu", {"tpu"}),  # a GPU machine with .[aot]
-    (("/dev/accel0",), ["xla_cuda12"], True, "tpu,cpu", {"cuda"}),  # a TPU VM with .[aot]
-    (("/dev/nvidia0",), ["xla_cuda13"], False, None, set()),  # .[cuda] alone: nothing left out
-    ((), [], False, None, set()),  # plain jax: JAX decides
-    (("/dev/kfd",), ["xla_cuda12"], True, None, set()),  # an AMD GPU: JAX decides
-    ((), ["xla_cuda12", "xla_rocm7"], True, None, set()),  # a plugin this does not know: JAX decides
-])
-def test_only_compile_only_plugins_without_devices_are_left_out(monkeypatch, files, plugins, libtpu, expected, left):
-    import fnmatch
+def test_a_command_says_its_settings_and_the_platforms_jax_did_not_start_in_its_start_up_line(tmp_path):
+    """A command's process (``process.prepare`` and the backend's start, as train's ``_cli`` runs them):
+    the flag in force when the backend starts (the backend has the 3 devices the same XLA_FLAGS asks
+    for), the start-up line naming it; JAX_PLATFORMS unset, so JAX chooses the platform, and what it
+    could not start (.[aot]'s plugins on this CPU machine) is named, without the plugins' C++ lines."""
+    code = ("import os, jax; from arlopti_jax.runtime import process, chips; process.prepare(); "
+            "chips.print_backend(); print(os.environ['XLA_FLAGS']); print(jax.config.jax_platforms)")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line, flags, platforms = proc.stdout.strip().splitlines()[-3:]
+    assert line.startswith("backend: cpu, 3 devices") and f"this command set XLA_FLAGS += {SCHEDULER}=false" in line
+    assert flags.endswith(f"{SCHEDULER}=false") and platforms == "None"  # JAX's choice, never written
+    import importlib.util
 
-    from arlopti_jax.runtime import platforms
-
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    monkeypatch.setattr(platforms, "LEFT_OUT", {})
-    exists = lambda pattern: any(fnmatch.fnmatch(f, pattern) for f in files)
-    assert platforms.leave_out_absent_accelerators(exists, plugins, libtpu) == expected
-    assert set(platforms.LEFT_OUT) == left
-    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # the user's choice is never replaced
-    assert platforms.leave_out_absent_accelerators(exists, plugins, libtpu) is None
-
-
-def test_importing_the_package_leaves_the_environment_and_jax_private_api_alone():
-    """The platform choice is JAX's own setting in this process, said at start-up; JAX_PLATFORMS
-    is not written (a child process decides again), and no private JAX function is called."""
-    code = ("import os, arlopti_jax, jax; from arlopti_jax.runtime import chips; "
-            "print(os.environ.get('JAX_PLATFORMS')); print(jax.config.jax_platforms); chips.print_backend()")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    environ, platforms, line = proc.stdout.splitlines()[:3]
-    import arlopti_jax
-
-    assert environ == "None"
-    if platforms == "cpu":  # .[aot] on this CPU machine: the start-up line names what was left out
-        assert "left out: cuda (no /dev/nvidia*)" in line and "JAX_PLATFORMS chooses" in line
-    assert "cudart_stub" not in proc.stderr and "Could not find cuda drivers" not in proc.stderr
-    source = open(arlopti_jax.__file__).read()
-    assert "jax._src" not in source and "os.environ[\"JAX_PLATFORMS\"]" not in source
+    if importlib.util.find_spec("libtpu") is not None:  # .[aot] here: JAX tried its TPU and said why it failed
+        assert "not started: " in line and "tpu (" in line, line
+    assert "Failed to find host bounds" not in proc.stderr and "libtpu_init_utils" not in proc.stderr
 
 
 def test_every_extra_installs_the_one_jax_ci_tests():

@@ -34,11 +34,8 @@ import json
 import sys
 
 from arlopti_jax.aot import targets
-
-targets.prepare_environment()  # before JAX starts a backend
-
-from arlopti_jax.config.cli import Command, startup_done  # noqa: E402
-from arlopti_jax.config import DEFAULT_CONFIG, ConfigError  # noqa: E402
+from arlopti_jax.config.cli import Command, startup_done
+from arlopti_jax.config import DEFAULT_CONFIG, ConfigError
 
 COMMAND = Command(
     name="arlopti_jax.aot", doc=__doc__, default_file=DEFAULT_CONFIG,
@@ -147,6 +144,10 @@ def main(argv) -> int:
 
 
 def _cli():
+    from arlopti_jax.runtime import process
+
+    process.prepare()  # this command's own settings, before anything starts the backend
+    targets.prepare_environment()  # and the compile-only compilers' (no TPU metadata server, no CUDA driver check)
     from absl import flags
 
     from arlopti_jax.config.cli import define_config_file, parse_command_line

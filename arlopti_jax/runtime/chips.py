@@ -45,13 +45,11 @@ def backend() -> str:
 
 
 def start_backend() -> None:
-    """Start JAX's backend (``jax.devices()``) without the compile-only CUDA plugin's driver lines
-    on stderr (``runtime.platforms``). Commands call it through ``print_backend``, after
-    ``jax.distributed``'s start."""
-    from arlopti_jax.runtime.platforms import plugin_noise_removed
+    """Start JAX's backend on the platform JAX chooses (``runtime.process.start_backend``). Commands
+    call it through ``print_backend``, after ``jax.distributed``'s start."""
+    from arlopti_jax.runtime import process
 
-    with plugin_noise_removed():
-        jax.devices()
+    process.start_backend()
 
 
 def describe_devices(devices=None) -> str:
@@ -68,11 +66,11 @@ def describe_devices(devices=None) -> str:
         what = ", ".join(f"{count} x {kind}" for kind, count in Counter(d.device_kind for d in devices).items())
     processes = len({d.process_index for d in devices})
     over = f" over {processes} processes" if processes > 1 else ""
-    from arlopti_jax.runtime.platforms import LEFT_OUT
+    from arlopti_jax.runtime.process import NOT_STARTED, SETTINGS
 
-    left = ("; left out: " + ", ".join(f"{p} ({why})" for p, why in LEFT_OUT.items())
-            + " (JAX_PLATFORMS chooses)") if LEFT_OUT and platform == "cpu" else ""
-    return f"backend: {platform}, {what}{over} (jax {jax.__version__}){left}"
+    tried = ("; not started: " + ", ".join(f"{p} ({why})" for p, why in NOT_STARTED.items())) if NOT_STARTED else ""
+    chosen = ("; this command set " + "; ".join(SETTINGS)) if SETTINGS else ""
+    return f"backend: {platform}, {what}{over} (jax {jax.__version__}){tried}{chosen}"
 
 
 def print_backend() -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fusion_flags() -> str:
-    """The tests' XLA:CPU fusion choice (``tests/conftest.py``) for processes that start with their own
-    XLA_FLAGS: the package leaves XLA's own fusions out with several host devices, and a run of
-    several processes is compared with the tests' one-process runs, made with them."""
+def child_flags() -> str:
+    """The tests' XLA_FLAGS (``tests/conftest.py``) less the host device count, for processes that
+    choose their own (``launch/local.sh --devices``): they compile as the tests' one-process runs
+    they are compared with do."""
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                    if f.startswith("--xla_cpu_experimental_ynn_fusion_type"))
+                    if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def launch_two(args: list[str], logs: Path, timeout: int, module: str | None = None,
@@ -27,7 +27,7 @@ def launch_two(args: list[str], logs: Path, timeout: int, module: str | None = N
     cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", *(["--module", module] if module else []),
            "--logs", str(logs), "--", *args]
     path = os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": fusion_flags(),
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": child_flags(),
                                                 "PYTHONPATH": path, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

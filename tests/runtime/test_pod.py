@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from gcs_fixtures import emulator, make_bucket, upload
-from two_processes import fusion_flags
+from two_processes import child_flags
 from run_fixtures import overrides, step_metrics
 
 from arlopti_jax.runtime import paths
@@ -30,7 +30,7 @@ def launch(n: int, values: dict, logs: Path, **env) -> subprocess.Popen:
     cmd = ["bash", str(REPO / "launch" / "local.sh"), str(n), "--devices", str(8 // n), "--own-dirs",
            "--logs", str(logs), "--", *[f"--config.{k}={flag(v)}" for k, v in values.items()]]
     path = os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": fusion_flags(),
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": child_flags(),
                                                 "PYTHONPATH": path, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
