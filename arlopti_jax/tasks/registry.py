@@ -11,8 +11,8 @@ log. `score_rewards` gives each item as a `Reward` (score, acc, info, failed); `
 gives the scores alone. The built-in
 `compute_score` routes on data_source:
 
-    kk_logic*                                      -> kk_reward.compute_kk_score
-    aime_dsr, amc_dsr, math_dsr, deepscaler, arith -> math_reward.compute_math_score
+    kk_logic*                                            -> kk_reward.compute_kk_score
+    aime_dsr, amc_dsr, math_dsr, deepscaler, arith, calc -> math_reward.compute_math_score
 
 `load_reward_fn(spec)` returns that router for spec None, or the function named by a
 'package.module:function' import path.
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]  # -> float, or a dict with 'score' (verl's)
 KK_PREFIX = "kk_logic"
-MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler", "arith")  # arith: tasks/arith.py
+MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler", "arith", "calc")  # tasks/arith.py, calc.py
 DEFAULT_TIMEOUT_S = 10.0
 # The built-in router's workers import math-verify before their first deadline starts.
 _BUILTIN_PRELOAD = ("arlopti_jax.tasks.registry", "arlopti_jax.tasks.math_reward:warm_up")

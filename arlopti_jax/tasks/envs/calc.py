@@ -1,0 +1,32 @@
+"""``calc``: arithmetic with large operands (`tasks.calc`'s problems), the exact calculator as the tool.
+
+    load_environment("calc")                                         # Qwen-style JSON calls
+    load_environment("calc", {"call_style": "text", "call_open": "<calc>", "call_close": "</calc>"})
+
+The tool is ``calculator`` with one string argument ``expression`` (`tools.calculator`: exact
+rational arithmetic, + - * / // % ** and parentheses); its observation is the value, or
+``Error: REASON``. A turn without a call is the final answer, graded like the ``calc`` data
+source is in the reward registry (the math reward: 1 for the right ``\\boxed{}`` answer, else 0),
+so the same problems trained without the tool score the same way. Parameters: those of
+`base.ToolEnvironment`, and ``max_digits`` (the calculator's bound on a number's digits).
+"""
+
+from __future__ import annotations
+
+from arlopti_jax.tasks.envs.base import ToolEnvironment
+from arlopti_jax.tasks.tools.calculator import CalculatorLimits, calculate
+from arlopti_jax.tasks.tools.result import ToolResult
+
+
+class CalcEnvironment(ToolEnvironment):
+    tool_name = "calculator"
+    argument = "expression"
+    description = "An exact calculator for + - * / // % ** and parentheses on integers and decimals."
+    argument_description = "the arithmetic expression, for example (48213 * 907) - 51"
+
+    def __init__(self, *, max_digits: int = 1000, **params):
+        super().__init__(**params)
+        self.limits = CalculatorLimits(max_digits=max_digits)
+
+    def run_tool(self, argument: str) -> ToolResult:
+        return calculate(argument, self.limits)
