@@ -82,6 +82,7 @@ def main(argv) -> int:
     mesh = run_setup.make_mesh(config)
     checkpoint = flags.FLAGS.checkpoint
     try:
+        paths.check_writable(config.run_dir, "config.run_dir")  # eval.jsonl and the responses go there
         model_path, _, test_files = run_setup.resolve_paths(config, need_train=False)
         if not test_files:
             raise ValueError("config.data.test_files is empty: nothing to evaluate")

@@ -76,6 +76,8 @@ def main(argv) -> int:
     from arlopti_jax.runtime import chips
     from arlopti_jax.runtime import sharding as shd
     from arlopti_jax.models import ModelConfig, hub, load_pretrained, save_pretrained
+    from arlopti_jax.models.hf import check_weights
+    from arlopti_jax.models.tokenizer import load_tokenizer
     from arlopti_jax.finetune.supervised import batch_schedule, read_pairs, tokenize_pairs, train_sft
     from arlopti_jax.tasks.data import resolve_data_files
 
@@ -102,16 +104,19 @@ def main(argv) -> int:
               file=sys.stderr)
         return 2
     try:
-        ModelConfig.from_pretrained(model_path)  # an architecture this project does not implement stops here
+        # an architecture this project does not implement, or weights config.json does not describe, stop here
+        check_weights(model_path, ModelConfig.from_pretrained(model_path))
     except ValueError as err:
         print(f"error: config.model.path={cfg.model.path}: {err}", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
-
+    try:  # none there, unreadable, or more tokens than the model has rows
+        tokenizer = load_tokenizer(model_path)
+    except ValueError as err:
+        print(f"error: config.model.path={cfg.model.path}: {err}", file=sys.stderr)
+        return 2
     # the data is read, tokenized and scheduled at start-up: a missing file or column, a prompt that
     # cannot be rendered or too few rows for one batch stops here, in one line
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         data = tokenize_pairs(read_pairs(resolve_data_files(cfg.data.files.split(","))), tokenizer,
                               cfg.data.max_length)
     except (FileNotFoundError, ValueError) as err:

@@ -8,9 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from arlopti_jax.models.hf_config import SUPPORTED_ARCHITECTURES, read_folder, read_hf_dict, write_hf_dict
-
-LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names, per layer
+from arlopti_jax.models.hf_config import LAYER_TYPES, SUPPORTED_ARCHITECTURES, read_folder, read_hf_dict, write_hf_dict
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

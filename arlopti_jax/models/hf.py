@@ -16,14 +16,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import hub
 from arlopti_jax.models import variants
 from arlopti_jax.models.config import ModelConfig
-from arlopti_jax.models.hf_config import TEXT_MODELS
+from arlopti_jax.models.hf_config import TEXT_MODELS, ModelFolderError
 from arlopti_jax.models.policy import abstract_params, param_shardings
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,9 @@ TOKENIZER_FILES = (
 )
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder whose tensors do not match its config."""
+class CheckpointError(ModelFolderError):
+    """A checkpoint folder whose tensors do not match its config, or whose weight files are cut short
+    or damaged: the message names the file and the tensor."""
 
 
 def _name_map(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, callable, callable]]:
@@ -92,47 +93,59 @@ def _hf_names(cfg: ModelConfig, name: str) -> list[str]:
     return [name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in name else [name]
 
 
-def _tensor_index(folder: Path) -> dict[str, tuple[Path, str]]:
-    """HF tensor name -> (the safetensors file that holds it, its name there). An image-text model's
-    folder (``hf_config.TEXT_MODELS``) gives its text model's tensors alone, their names without the
-    text model's prefix."""
+def _header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from a safetensors file's header alone (no tensor is read). safetensors
+    checks there that the header is whole and that the data it describes fills the file: a file cut
+    anywhere is refused here."""
+    try:
+        with safe_open(path, framework="numpy") as st:
+            return {name: tuple(st.get_slice(name).get_shape()) for name in st.keys()}
+    except SafetensorError as err:
+        raise CheckpointError(f"{path}: not a whole safetensors file, cut short or damaged ({err})") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
+
+
+def _tensor_index(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """HF tensor name -> (the safetensors file that holds it, its name there, its shape), from the
+    files' headers. An image-text model's folder (``hf_config.TEXT_MODELS``) gives its text model's
+    tensors alone, their names without the text model's prefix."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map of tensor "
+                                  f"names to files: {type(err).__name__} {err})") from None
+        missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise CheckpointError(f"{index}: lists shard files that do not exist: {missing}")
-        stored = {name: folder / f for name, f in weight_map.items()}
+        headers = {f: _header(folder / f) for f in files}
+        absent = sorted(name for name, f in weight_map.items() if name not in headers[f])
+        if absent:
+            raise CheckpointError(f"{index}: names tensors its shard files do not hold: {absent[:8]}"
+                                  f"{' ...' if len(absent) > 8 else ''}")
+        stored = {name: (folder / f, headers[f][name]) for name, f in weight_map.items()}
     else:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
-        stored = {}
-        for f in files:
-            with safe_open(f, framework="numpy") as st:
-                stored.update({name: f for name in st.keys()})
+        stored = {name: (f, shape) for f in files for name, shape in _header(f).items()}
     prefix = ""
     if (folder / "config.json").is_file():
         archs = json.loads((folder / "config.json").read_text()).get("architectures") or [""]
         prefix = TEXT_MODELS.get(archs[0], ("", ""))[1]
-    return {name[len(prefix):]: (f, name) for name, f in stored.items() if name.startswith(prefix)}
+    return {name[len(prefix):]: (f, name, shape) for name, (f, shape) in stored.items() if name.startswith(prefix)}
 
 
-def _file_shape(where: tuple[Path, str]) -> tuple[int, ...]:
-    path, name = where
-    with safe_open(path, framework="numpy") as st:
-        return tuple(st.get_slice(name).get_shape())
-
-
-def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES):
-    """Read a checkpoint folder's tensors into sharded arrays of ``cfg.param_dtype``."""
+def check_weights(folder: str | Path, cfg: ModelConfig) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """The folder's tensor index (``_tensor_index``) once every tensor ``cfg`` needs is there, with the
+    shape ``cfg`` gives it, and nothing else is: from the files' headers, reading no tensor (a
+    command's start-up calls it). CheckpointError naming the folder, file or tensor otherwise."""
     folder = Path(folder)
     where = _tensor_index(folder)
     table = _name_map(cfg)
-    expected = abstract_params(cfg)
-    shardings = param_shardings(cfg, mesh, rules)
-    dtype = cfg.weight_dtype
-
     wanted = {hf for name, *_ in table.values() for hf in _hf_names(cfg, name)}
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = sorted(wanted - set(where))
@@ -145,23 +158,37 @@ def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RU
             parts.append(f"unexpected tensors {extra[:8]}{' ...' if len(extra) > 8 else ''}")
         raise CheckpointError(f"{folder}: " + "; ".join(parts) + f" (config: {cfg.architecture}, "
                               f"{cfg.num_layers} layers, tie_word_embeddings={cfg.tie_word_embeddings})")
+    expected = abstract_params(cfg)
+    for path, (name, _, from_ours) in table.items():
+        leaf = functools.reduce(lambda t, key: t[key], path, expected)
+        per_layer = leaf.shape[1:] if "{i}" in name else leaf.shape
+        want = tuple(jax.eval_shape(from_ours, jax.ShapeDtypeStruct(per_layer, np.float32)).shape)
+        for hf in _hf_names(cfg, name):
+            f, _, got = where[hf]
+            if got != want:
+                raise CheckpointError(f"{f}: tensor {hf} has shape {list(got)}, expected {list(want)} from "
+                                      f"{folder / 'config.json'}")
+    return where
+
+
+def load_params(folder: str | Path, cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES):
+    """Read a checkpoint folder's tensors into sharded arrays of ``cfg.param_dtype``."""
+    folder = Path(folder)
+    where = check_weights(folder, cfg)
+    table = _name_map(cfg)
+    expected = abstract_params(cfg)
+    shardings = param_shardings(cfg, mesh, rules)
+    dtype = cfg.weight_dtype
 
     @functools.lru_cache(maxsize=4)
     def read(hf_name: str) -> np.ndarray:
-        path, stored = where[hf_name]
+        path, stored, _ = where[hf_name]
         with safe_open(path, framework="numpy") as st:
             return st.get_tensor(stored)
 
     def build(path, name, to_ours, from_ours):
         leaf = functools.reduce(lambda t, key: t[key], path, expected)
         stacked = "{i}" in name
-        per_layer = leaf.shape[1:] if stacked else leaf.shape
-        want_hf = jax.eval_shape(from_ours, jax.ShapeDtypeStruct(per_layer, np.float32)).shape
-        for hf in _hf_names(cfg, name):
-            got = _file_shape(where[hf])
-            if got != tuple(want_hf):
-                raise CheckpointError(f"{folder}: tensor {hf} has shape {list(got)}, expected {list(want_hf)} "
-                                      f"from config.json")
 
         def one(hf, idx):
             return np.asarray(to_ours(read(hf))[idx]).astype(dtype)

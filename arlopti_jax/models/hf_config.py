@@ -4,7 +4,9 @@ Read: transformers 5's layout (``rope_parameters``, per layer type for Gemma 3; 
 and the older one the Hub's folders still hold (``rope_theta``, ``rope_scaling``, Gemma 3's
 ``rope_local_base_freq`` and ``sliding_window_pattern``), with transformers' defaults for keys a
 file leaves out. A value this project does not implement (another activation, a rope type,
-biases it has no place for, bidirectional attention) is a ValueError naming the key.
+biases it has no place for, bidirectional attention), a value missing, of the wrong type or out of range
+and keys that contradict one another are a ModelFolderError (a start-up error: one line) naming the
+file and the key.
 Gemma 3 from 4B up is published as an image-text model (``Gemma3ForConditionalGeneration``): its
 ``text_config`` is read as the text model's (``TEXT_MODELS``), whose tensors sit under
 ``language_model.`` in its files (``hf.load_params``); the vision tower is not read, and the model
@@ -15,8 +17,11 @@ Written: the older layout plus ``layer_types``, which transformers 4.5x and 5 bo
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+from arlopti_jax.runtime.startup import StartupError
 
 # architecture -> family: what the decoder builds (``variants.py`` holds where the families differ)
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
@@ -31,108 +36,211 @@ GEMMA3_DEFAULTS = dict(rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_
 GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, bos_token_id=2, eos_token_id=1,
                             tie_word_embeddings=True)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names of a layer's attention
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _rope_scaling(rope: dict) -> tuple | None:
-    """A rope_parameters / rope_scaling dict -> ``ModelConfig.rope_scaling`` (None: plain RoPE)."""
+class ModelFolderError(StartupError):
+    """A model folder that cannot serve: the message names the file and the key, tensor or file at fault."""
+
+
+_REQUIRED = object()
+
+
+def _int(hf: dict, key: str, default=_REQUIRED, low: int = 1) -> int | None:
+    """``hf[key]`` as an integer >= ``low``; ``default`` where the file leaves it out (or null)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{key} is missing (an integer >= {low})")
+        return default
+    if type(value) is not int or value < low:  # bool is not int here: true is no size
+        raise ValueError(f"{key}={json.dumps(value)}: expected an integer >= {low}")
+    return value
+
+
+def _number(hf: dict, key: str, default: float | None) -> float | None:
+    """``hf[key]`` as a finite number > 0; ``default`` where the file leaves it out (or null)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{key}={json.dumps(value)}: expected a number > 0")
+    return float(value)
+
+
+def _dict(hf: dict, key: str) -> dict:
+    value = hf.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{key}={json.dumps(value)}: expected an object")
+    return dict(value)
+
+
+def _rope_scaling(rope: dict, key: str) -> tuple | None:
+    """A rope_parameters / rope_scaling dict (under ``key``) -> ``ModelConfig.rope_scaling`` (None: plain RoPE)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
     if kind == "llama3":
+        values = {k: _number(rope, k, None) for k in _LLAMA3_KEYS}
+        absent = [k for k, v in values.items() if v is None]
+        if absent:
+            raise ValueError(f"{key}: rope_type 'llama3' needs {', '.join(absent)}")
         return (("rope_type", "llama3"),) + tuple((k, rope[k]) for k in _LLAMA3_KEYS)
     if kind == "linear":
-        return (("rope_type", "linear"), ("factor", float(rope["factor"])))
-    raise ValueError(f"config.json rope_scaling type {kind!r}: only 'default', 'linear' and 'llama3' are supported")
+        factor = _number(rope, "factor", None)
+        if factor is None:
+            raise ValueError(f"{key}: rope_type 'linear' needs factor")
+        return (("rope_type", "linear"), ("factor", factor))
+    raise ValueError(f"{key} type {kind!r}: only 'default', 'linear' and 'llama3' are supported")
 
 
 def _rope(hf: dict, family: str) -> dict:
     """rope_theta, rope_scaling and (Gemma 3) rope_local_theta."""
-    params = dict(hf.get("rope_parameters") or {})
+    params = _dict(hf, "rope_parameters")
     if family == "gemma3":
-        full = dict(params.get("full_attention") or hf.get("rope_scaling") or {})
-        local = dict(params.get("sliding_attention") or {})
-        if _rope_scaling(local) is not None:
-            raise ValueError("config.json rope_parameters.sliding_attention: only plain RoPE ('default') is supported "
+        full = _dict(params, "full_attention") or _dict(hf, "rope_scaling")
+        local = _dict(params, "sliding_attention")
+        if _rope_scaling(local, "rope_parameters.sliding_attention") is not None:
+            raise ValueError("rope_parameters.sliding_attention: only plain RoPE ('default') is supported "
                              "on Gemma 3's sliding layers")
-        return dict(rope_theta=float(full.get("rope_theta", hf.get("rope_theta", GEMMA3_DEFAULTS["rope_theta"]))),
-                    rope_local_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq",
-                                                                           GEMMA3_DEFAULTS["rope_local_theta"]))),
-                    rope_scaling=_rope_scaling(full))
-    rope = params or dict(hf.get("rope_scaling") or {})
-    return dict(rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                rope_scaling=_rope_scaling(rope))
+        return dict(rope_theta=_number(full, "rope_theta", _number(hf, "rope_theta", GEMMA3_DEFAULTS["rope_theta"])),
+                    rope_local_theta=_number(local, "rope_theta", _number(hf, "rope_local_base_freq",
+                                                                          GEMMA3_DEFAULTS["rope_local_theta"])),
+                    rope_scaling=_rope_scaling(full, "rope_scaling"))
+    rope = params or _dict(hf, "rope_scaling")
+    return dict(rope_theta=_number(hf, "rope_theta", _number(rope, "rope_theta", 10000.0)),
+                rope_scaling=_rope_scaling(rope, "rope_parameters" if params else "rope_scaling"))
 
 
 def _gemma3(hf: dict, layers: int) -> dict:
     if hf.get("use_bidirectional_attention"):
-        raise ValueError("config.json use_bidirectional_attention=true: only causal attention is supported")
+        raise ValueError("use_bidirectional_attention=true: only causal attention is supported")
     types = hf.get("layer_types")
     if types is None:  # the older files: every pattern-th layer global, as transformers reads them
-        pattern = int(hf.get("sliding_window_pattern") or GEMMA3_DEFAULTS["sliding_window_pattern"])
+        pattern = _int(hf, "sliding_window_pattern", GEMMA3_DEFAULTS["sliding_window_pattern"])
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    window = hf.get("sliding_window", GEMMA3_DEFAULTS["sliding_window"])
-    return dict(qk_norm=True, layer_types=tuple(types), sliding_window=None if window is None else int(window),
-                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", GEMMA3_DEFAULTS["query_pre_attn_scalar"])),
-                attn_logit_softcapping=hf.get("attn_logit_softcapping"),
-                final_logit_softcapping=hf.get("final_logit_softcapping"))
+    elif not (isinstance(types, list) and len(types) == layers and set(types) <= set(LAYER_TYPES)):
+        raise ValueError(f"layer_types={json.dumps(types)}: expected one of {list(LAYER_TYPES)} for each of the "
+                         f"num_hidden_layers={layers} layers")
+    return dict(qk_norm=True, layer_types=tuple(types),
+                sliding_window=_int(hf, "sliding_window", None) if "sliding_window" in hf
+                else GEMMA3_DEFAULTS["sliding_window"],
+                query_pre_attn_scalar=_number(hf, "query_pre_attn_scalar", GEMMA3_DEFAULTS["query_pre_attn_scalar"]),
+                attn_logit_softcapping=_number(hf, "attn_logit_softcapping", None),
+                final_logit_softcapping=_number(hf, "final_logit_softcapping", None))
 
 
 def text_model(hf: dict[str, Any]) -> dict[str, Any]:
     """An image-text config.json's text model as its own config.json dict (``TEXT_MODELS``); any other
     config as it is."""
     archs = hf.get("architectures") or []
-    if not archs or archs[0] not in TEXT_MODELS:
+    if not isinstance(archs, list) or not archs or archs[0] not in TEXT_MODELS:
         return hf
-    text = dict(hf.get("text_config") or {})
+    text = _dict(hf, "text_config")
     for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # kept at the top level by some files
         if key not in text and key in hf:
             text[key] = hf[key]
     return {**text, "architectures": [TEXT_MODELS[archs[0]][0]]}
 
 
-def read_hf_dict(hf: dict[str, Any]) -> dict[str, Any]:
-    """``ModelConfig``'s fields from a config.json dict (an image-text model's: its text model's)."""
-    hf = text_model(hf)
-    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+def _architecture(hf: dict) -> str:
+    """The decoder's architecture: ``architectures[0]``, else the one of ``model_type``; checked against
+    ``model_type`` where the file gives both."""
+    archs, model_type = hf.get("architectures"), hf.get("model_type")
+    by_type = {t: a for a, f in SUPPORTED_ARCHITECTURES.items() for t in (MODEL_TYPES[f],)}
+    if archs is None:
+        if model_type not in by_type:
+            raise ValueError(f"model_type={json.dumps(model_type)} (and no architectures): unsupported; supported: "
+                             f"{sorted(by_type)}")
+        return by_type[model_type]
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"architectures={json.dumps(archs)}: expected a list of architecture names")
     arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architectures={archs}: unsupported; supported: {sorted(SUPPORTED_ARCHITECTURES)} (and the "
+                         f"text model of {sorted(TEXT_MODELS)})")
+    want = MODEL_TYPES[SUPPORTED_ARCHITECTURES[arch]]
+    if model_type is not None and model_type != want:
+        raise ValueError(f"model_type={json.dumps(model_type)} contradicts architectures={archs} (whose model_type "
+                         f"is {want!r})")
+    return arch
+
+
+def _token_ids(hf: dict, key: str, vocab: int):
+    """bos_token_id / eos_token_id: null, an id or a list of ids, each a token of the vocabulary."""
+    value = hf.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if value is None or value == []:
+        return None
+    if not all(type(i) is int and 0 <= i < vocab for i in ids):
+        raise ValueError(f"{key}={json.dumps(value)}: not token ids of the vocabulary (vocab_size={vocab})")
+    return tuple(value) if isinstance(value, list) else value
+
+
+def read_hf_dict(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """``ModelConfig``'s fields from a config.json dict (an image-text model's: its text model's).
+    ModelFolderError, one line beginning with ``source`` and naming the key, for a value that is
+    missing, of the wrong type or out of range, for keys that contradict one another, and for what
+    this project does not implement."""
+    try:
+        return _read(hf)
+    except ValueError as err:
+        raise ModelFolderError(f"{source}: {err}") from None
+
+
+def _read(hf: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(hf, dict):
+        raise ValueError(f"expected a JSON object, found {type(hf).__name__}")
+    hf = text_model(hf)
+    arch = _architecture(hf)
     if arch == "Gemma3ForCausalLM":
         hf = {**GEMMA3_TEXT_DEFAULTS, **hf}
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"config.json architectures={archs}: unsupported; "
-                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)} (and the text model of {sorted(TEXT_MODELS)})")
     family = SUPPORTED_ARCHITECTURES[arch]
     gemma = family == "gemma3"
     act_key = "hidden_activation" if gemma else "hidden_act"
     act = hf.get(act_key) or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
     want = "gelu_pytorch_tanh" if gemma else "silu"
     if act != want:
-        raise ValueError(f"config.json {act_key}={act!r}: only {want!r} is supported for {arch}")
+        raise ValueError(f"{act_key}={act!r}: only {want!r} is supported for {arch}")
     if hf.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window=true: sliding-window attention is not supported for " + arch)
+        raise ValueError("use_sliding_window=true: sliding-window attention is not supported for " + arch)
     if hf.get("mlp_bias"):
-        raise ValueError("config.json mlp_bias=true is not supported")
+        raise ValueError("mlp_bias=true is not supported")
     if family in ("qwen3", "gemma3") and hf.get("attention_bias"):
-        raise ValueError(f"config.json attention_bias=true: not supported for {arch}")
-    num_heads = hf["num_attention_heads"]
-    eos = hf.get("eos_token_id")
-    layers = hf["num_hidden_layers"]
+        raise ValueError(f"attention_bias=true: not supported for {arch}")
+    vocab, hidden = _int(hf, "vocab_size"), _int(hf, "hidden_size")
+    num_heads, layers = _int(hf, "num_attention_heads"), _int(hf, "num_hidden_layers")
+    kv_heads = _int(hf, "num_key_value_heads", num_heads)
+    if num_heads % kv_heads:
+        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = _int(hf, "head_dim", None)
+    if head_dim is None:
+        if hidden % num_heads:
+            raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={num_heads} (and no "
+                             "head_dim says the heads' width)")
+        head_dim = hidden // num_heads
+    for key in ("tie_word_embeddings", "attention_bias"):
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise ValueError(f"{key}={json.dumps(hf[key])}: expected true or false")
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size"),
         num_layers=layers,
         num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        max_position_embeddings=hf.get("max_position_embeddings",
-                                       GEMMA3_DEFAULTS["max_position_embeddings"] if gemma else 32768),
+        max_position_embeddings=_int(hf, "max_position_embeddings",
+                                     GEMMA3_DEFAULTS["max_position_embeddings"] if gemma else 32768),
         architecture=arch,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        bos_token_id=_token_ids(hf, "bos_token_id", vocab),
+        eos_token_id=_token_ids(hf, "eos_token_id", vocab),
         **_rope(hf, family),
     )
     if family == "qwen3":
@@ -143,10 +251,17 @@ def read_hf_dict(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_folder(folder: str | Path) -> dict[str, Any]:
+    """``ModelConfig``'s fields from a model folder's config.json: FileNotFoundError where there is
+    none, ModelFolderError naming the file (and the key) where it is not JSON or ``read_hf_dict``
+    refuses it."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json in the checkpoint folder")
-    return read_hf_dict(json.loads(path.read_text()))
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelFolderError(f"{path}: not a readable JSON file ({err})") from None
+    return read_hf_dict(hf, str(path))
 
 
 def write_hf_dict(cfg) -> dict[str, Any]:

@@ -27,7 +27,9 @@ from arlopti_jax.runtime import paths
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.runtime.startup import ConfigError
 from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
-from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings
+from arlopti_jax.models.hf import check_weights
+from arlopti_jax.models.tokenizer import load_tokenizer  # TokenizerError: none there, unreadable, or too large
+from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings, saved_state
 from arlopti_jax.store import trackers
 from arlopti_jax.rollout import Sampler, SamplingConfig
 from arlopti_jax.tasks import load_reward_fn
@@ -88,12 +90,14 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
     try:  # an architecture this project does not implement, or a setting that cannot serve it, stops here
         model_cfg = model_config(config, Path(model))
     except ValueError as err:
-        raise ValueError(f"config.model.path={config.model.path or model}: {err}") from None
+        raise type(err)(f"config.model.path={config.model.path or model}: {err}") from None
     if build and not any(Path(model).glob("*.safetensors")):  # pickled weights are never read
         found = sorted(p.name for p in Path(model).glob("*.bin"))
         raise FileNotFoundError(f"config.model.path={config.model.path or model}: no *.safetensors weights in "
                                 f"{model}" + (f" (only {', '.join(found[:3])}: pickled weights are not read; "
                                               "convert them to safetensors)" if found else ""))
+    if build:  # every tensor there, whole, in the shapes config.json gives: from the files' headers
+        check_weights(Path(model), model_cfg.replace(lora_rank=0))
     for line in model_cfg.fallbacks(jax.default_backend()):  # an 'auto' setting that runs another kernel
         log.warning("%s", line)
 
@@ -112,12 +116,6 @@ def resolve_paths(config: ml_collections.ConfigDict, need_train: bool = True,
 def model_config(config, model_path: Path) -> ModelConfig:
     """The model's shape from its folder's config.json, with the config's settings (``model_settings``)."""
     return ModelConfig.from_pretrained(model_path, **model_settings(config))
-
-
-def load_tokenizer(model_path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_path))
 
 
 def load_policy(config, mesh, model_path: Path, tokenizer=None) -> Policy:
@@ -255,12 +253,15 @@ def longest_prompt(datasets) -> int:
 
 def prepare_inputs(config) -> Inputs:
     """The run's paths, tokenizer and prompt datasets, with ``config.resume`` checked against
-    ``run_dir`` (``check_resume``): a command's start-up calls this, so a missing path, a bad
-    resume setting, a data file that cannot be read, a training set that cannot fill one batch
-    of ``train.batch_prompts`` prompts, a data source the built-in reward does not know, a tracker
-    of ``train.loggers`` that cannot start (process 0's, which alone logs) or a checkpoint to resume
-    from that this config cannot continue (``check_checkpoint``) stops it in one line
-    (FileNotFoundError or ValueError naming the field), before the weights are loaded."""
+    ``run_dir`` (``check_resume``): a command's start-up calls this, so a ``run_dir`` it cannot write
+    or without room for one checkpoint, a model folder that cannot serve (``check_weights``,
+    ``load_tokenizer``), a missing path, a bad resume setting, a data file that cannot be read, a
+    training set that cannot fill one batch of ``train.batch_prompts`` prompts, a data source the
+    built-in reward does not know, a tracker of ``train.loggers`` that cannot start (process 0's,
+    which alone logs) or a checkpoint to resume from that this config cannot continue
+    (``check_checkpoint``) stops it in one line (FileNotFoundError or ValueError naming the field),
+    before the weights are loaded."""
+    paths.check_writable(config.run_dir, "config.run_dir")  # before any process writes there
     dist.check_shared_folder(paths.path(config.run_dir, "config.run_dir"), "config.run_dir")  # one for all hosts
     model_path, train_files, test_files = resolve_paths(config)
     check_resume(config)
@@ -300,9 +301,11 @@ def prepare_inputs(config) -> Inputs:
     # everything the run computes from its config, built once here without weights (nothing compiles
     # or allocates): a schedule the steps cannot span, a packing the budget cannot hold... stop here
     policy = Policy(model_cfg, None, tokenizer, model_path)
-    assemble(config, make_mesh(config), model_cfg, eos_ids=eos_ids(policy), pad_id=pad_id(policy),
-             total_steps=total_steps(config, iterator), prompt_width=inputs.longest_prompt,
-             sampler_mesh=make_sampler_mesh(config))
+    run = assemble(config, make_mesh(config), model_cfg, eos_ids=eos_ids(policy), pad_id=pad_id(policy),
+                   total_steps=total_steps(config, iterator), prompt_width=inputs.longest_prompt,
+                   sampler_mesh=make_sampler_mesh(config))
+    saved = jax.tree.leaves(saved_state(model_cfg, run.state))  # room for one checkpoint
+    paths.check_writable(config.run_dir, "config.run_dir", sum(x.size * x.dtype.itemsize for x in saved))
     return inputs
 
 

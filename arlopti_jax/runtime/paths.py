@@ -4,6 +4,7 @@ both as ``etils.epath`` paths, the abstraction orbax itself writes checkpoints t
     path("runs/kk3b")                 # a local folder: a pathlib.Path, absolute
     path("gs://bucket/runs/kk3b")     # a bucket folder: an epath.Path (gcsfs underneath)
     path("s3://b/x", "config.run_dir")  # ValueError: config.run_dir=s3://b/x: the scheme s3 is not supported
+    check_writable("runs/kk3b", "config.run_dir", need_bytes)  # start-up: a folder the run can write, with room
 
 Orbax writes the checkpoints' arrays into a bucket directly (tensorstore's gcs driver). The rest
 of what a run writes there, its JSON-lines records and TensorBoard events, cannot be appended to
@@ -20,8 +21,11 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
+
+from arlopti_jax.runtime.startup import StartupError
 
 SUPPORTED = ("gs",)  # remote schemes: gcsfs (fsspec) for files, tensorstore for orbax's arrays
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -59,6 +63,31 @@ def path(value, field: str = "path"):
             raise ValueError(f"{field}={value}: gs:// paths need gcsfs: pip install 'arlopti_jax[gcs]'")
         return epath.Path(str(value))
     return Path(value).expanduser().absolute()
+
+
+def check_writable(value, field: str, need_bytes: int = 0) -> None:
+    """StartupError, one line naming ``field`` and the path, where a run could not write its folder
+    ``value``: a file where a folder must be, no permission, a read-only filesystem, or less free space
+    than ``need_bytes`` (one checkpoint of the run). A bucket's folder is written through this host's
+    staging folder (``RunFolder``), which is checked instead. Leaves nothing behind: the probe is a
+    nameless file (``O_TMPFILE``) in the folder, or in its nearest existing parent while the folder
+    does not exist yet, which is not created."""
+    folder = staging_root() if is_remote(value) else path(value, field)
+    where = f"{field}={value}" + (f" (staged on this host in {folder}, ARLOPTI_STAGING)" if is_remote(value) else "")
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StartupError(f"{where}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise StartupError(f"{where}: cannot write in {existing} ({err.strerror or err})") from None
+    free = shutil.disk_usage(existing).free
+    if not is_remote(value) and free < need_bytes:
+        raise StartupError(f"{where}: {free / 2**30:.2f} GiB free on the disk of {existing}, and one checkpoint of "
+                           f"this run takes {need_bytes / 2**30:.2f} GiB")
 
 
 def staging_root() -> Path:

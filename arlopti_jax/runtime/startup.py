@@ -1,6 +1,7 @@
 """How a command's start-up ends: one ``error:`` line for a bad value, or, under
 ``ARLOPTI_STARTUP_CHECK=1``, a clean stop once everything is checked.
 
+    StartupError(message)    a bad input (a config value, a file, a folder): one line naming it
     ConfigError(message)     an invalid configuration value; the message names the field
     startup_done(command)    where start-up ends and the work begins
 """
@@ -13,7 +14,13 @@ import sys
 STARTUP_CHECK_ENV = "ARLOPTI_STARTUP_CHECK"
 
 
-class ConfigError(ValueError):
+class StartupError(ValueError):
+    """A bad input a command cannot start with, raised where it is found: a config value, a model
+    folder's file, the run folder. The message is the one ``error:`` line the command prints, and
+    names the field, file or path (a ValueError, so that a command's start-up catches it)."""
+
+
+class ConfigError(StartupError):
     """An invalid configuration value; the message names the field."""
 
 

@@ -158,7 +158,7 @@ def test_unsupported_architecture_and_values(tmp_path):
     cfg = json.loads((folder / "config.json").read_text())
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         ModelConfig.from_hf_dict({**cfg, "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_parameters type 'yarn'"):
         ModelConfig.from_hf_dict({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_pretrained(tmp_path / "nowhere")
@@ -172,7 +172,7 @@ GEMMA3_OLD_LAYOUT = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemm
                      "rope_theta": 500000.0,
                      "rope_local_base_freq": 5000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
                      "sliding_window": 6, "sliding_window_pattern": 3, "hidden_activation": "gelu_pytorch_tanh",
-                     "final_logit_softcapping": None, "attn_logit_softcapping": None, "eos_token_id": [1, 106]}
+                     "final_logit_softcapping": None, "attn_logit_softcapping": None, "eos_token_id": [1, 96]}
 
 
 def test_config_json_of_both_gemma3_layouts_reads_as_transformers_reads_it():
@@ -189,7 +189,7 @@ def test_config_json_of_both_gemma3_layouts_reads_as_transformers_reads_it():
         assert cfg.rope_local_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"] == 5000.0
         assert dict(cfg.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
         assert (cfg.query_pre_attn_scalar, cfg.qk_norm, cfg.tie_word_embeddings, cfg.eos_token_id) == (24, True, True,
-                                                                                                      (1, 106))
+                                                                                                      (1, 96))
     assert cfg.layer_types[:3] == ("sliding_attention", "sliding_attention", "full_attention")
 
 
