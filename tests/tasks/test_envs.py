@@ -226,3 +226,54 @@ def test_calc_observations_several_calls_caps_and_text_markers():
     text.reset(PROBLEM)
     assert text.step("I use <calc>48213*9071</calc>").observation == str(48213 * 9071)
     assert text.step(qwen_call("calculator", expression="1")).done  # the other format is no call here
+
+
+# ---------------------------------------------------------------- math_python episodes
+MATH = {"prompt_text": "What is 1/2 + 1/3?", "data_source": "math_dsr", "ground_truth": "\\frac{5}{6}",
+        "extra_info": {}, "source": "data/math/train.parquet", "row": 3}
+
+
+def test_math_python_episode_scripted():
+    factory = load_environment("math_python", {"wall_s": 1.5, "cpu_s": 1, "site_packages": False})
+    assert factory.tools[0]["function"]["name"] == "python" and factory.stop_strings == ("</tool_call>",)
+    env = factory()
+    env.reset(MATH)
+    ran = env.step(qwen_call("python", code="from fractions import Fraction\nprint(Fraction(1, 2) + Fraction(1, 3))"))
+    assert (ran.observation, ran.done, ran.info["tool_calls"], ran.info["tool_errors"]) == ("5/6", False, 1, 0)
+    assert ran.info["tool_seconds"] > 0
+    crashed = env.step(qwen_call("python", code="print('partial')\n1 / 0"))
+    assert crashed.observation.startswith("partial\nTraceback (most recent call last):")
+    assert crashed.observation.endswith("ZeroDivisionError: division by zero\n"
+                                        "Error: exit status 1: ZeroDivisionError: division by zero")
+    assert crashed.info["tool_errors"] == 1 and crashed.info["tool_timeouts"] == 0
+    loop = env.step(qwen_call("python", code="while True:\n    pass"))
+    assert loop.observation in ("Error: timed out after 1.5 s", "Error: CPU time limit (1 s) exceeded")
+    assert loop.info["tool_timeouts"] == 1 and loop.info["tool_errors"] == 1 and not loop.done
+    assert env.step(qwen_call("python", code="x = 1")).observation == "(no output)"
+    two = env.step(qwen_call("python", code="print(1)") + qwen_call("python", code="print(2)"))
+    assert two.observation == "[1] 1\n[2] Error: not run: at most 1 tool calls per turn"
+    right = env.step("So the sum is $\\boxed{\\dfrac{5}{6}}$.")  # math-verify: \dfrac equals \frac
+    assert (right.done, right.reward) == (True, {"answer": 1.0})
+    env.reset(MATH)
+    assert env.step("The answer is \\boxed{0.8}.").reward == {"answer": 0.0}
+
+
+class ScriptedSandbox:
+    """Another CodeExecutor backend (as a container or a sandbox service would be): it answers every
+    program with the limits it was made with."""
+
+    def __init__(self, limits):
+        self.limits = limits
+
+    def run(self, code, timeout_s=None):
+        from arlopti_jax.tasks.tools import ToolResult
+
+        return ToolResult(f"remote ran {len(code)} bytes within {self.limits.wall_s:g} s", None, 0.01)
+
+
+def test_math_python_takes_another_sandbox_by_import_path():
+    env = load_environment("math_python", {"executor": f"{__name__}:ScriptedSandbox", "wall_s": 7})()
+    env.reset(MATH)
+    assert env.step(qwen_call("python", code="print(1)")).observation == "remote ran 8 bytes within 7 s"
+    with pytest.raises(EnvironmentLoadError, match="executor='nowhere_xyz:Box': cannot import module"):
+        load_environment("math_python", {"executor": "nowhere_xyz:Box"})

@@ -2,7 +2,7 @@
 
     from arlopti_jax.tasks.envs import Environment, Step, load_environment, run_step, StepPool
 
-    factory = load_environment("calc")           # or 'my_pkg.envs:MyEnv'
+    factory = load_environment("calc")           # or 'math_python', or 'my_pkg.envs:MyEnv'
     env = factory()                              # one per episode
     first = env.reset(problem)                   # problem: a PromptDataset row; str or None
     step = env.step(action_text)                 # Step(observation, reward, done, info)
@@ -10,8 +10,8 @@
 Modules: base (the contract: Environment, Step, INFO_COUNTS; ToolEnvironment, the built-ins'
 base), calls (tool calls in the text: Qwen's JSON in <tool_call>, or plain text between markers),
 loading (load_environment, EnvironmentLoadError, the built-ins), runner (run_reset, run_step,
-StepPool: a failing or hanging environment ends its episode, never the run), calc (the
-built-in environment).
+StepPool: a failing or hanging environment ends its episode, never the run), calc and
+math_python (the built-in environments).
 """
 
 from arlopti_jax.tasks.envs.base import INFO_COUNTS, Environment, Step, ToolEnvironment

@@ -140,11 +140,14 @@ class ToolEnvironment(Environment):
         return self.run_tool(call.arguments[self.argument])
 
     def observation(self, results: list[ToolResult]) -> str:
-        """The turn's observation: each call's output, or its error; numbered when there are several."""
+        """The turn's observation: each call's output ('(no output)' when it printed nothing), then
+        ``Error: REASON`` if it failed; numbered when there are several."""
         parts = []
         for i, r in enumerate(results):
-            text = r.output if r.error is None else (r.output.rstrip("\n") + "\n" if r.output.strip() else "") + \
-                f"Error: {r.error}"
+            text = r.output.rstrip("\n")
+            if r.error is not None:
+                text = f"{text}\nError: {r.error}" if text.strip() else f"Error: {r.error}"
+            text = text if text.strip() else "(no output)"
             parts.append(text if len(results) == 1 else f"[{i + 1}] {text}")
         return cut("\n".join(parts), self.max_observation_chars)
 

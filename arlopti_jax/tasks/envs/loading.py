@@ -27,6 +27,7 @@ from arlopti_jax.runtime.startup import ConfigError
 
 BUILTIN = {
     "calc": "arlopti_jax.tasks.envs.calc:CalcEnvironment",
+    "math_python": "arlopti_jax.tasks.envs.math_python:MathPythonEnvironment",
 }
 METHODS = ("reset", "step")
 
@@ -55,7 +56,9 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def _resolve(spec: str, where: str) -> Callable[..., Any]:
+def resolve(spec: str, where: str) -> Callable[..., Any]:
+    """The callable a built-in name or an import path names; EnvironmentLoadError (one line, starting
+    ``where``) when there is none."""
     path = BUILTIN.get(spec, spec)
     if ":" in path:
         module_name, _, attr = path.partition(":")
@@ -86,7 +89,7 @@ def load_environment(spec: str, params: Mapping[str, Any] | None = None, *,
     (one line, starting ``{field}={spec!r}``) when it cannot be (module docstring)."""
     params = dict(params or {})
     where = f"{field}={spec!r}"
-    make = _resolve(spec, where)
+    make = resolve(spec, where)
     if inspect.isabstract(make):  # a subclass of Environment that leaves a method out
         missing = sorted(make.__abstractmethods__)
         raise EnvironmentLoadError(f"{where}: {make.__name__} does not define {' or '.join(missing)} "

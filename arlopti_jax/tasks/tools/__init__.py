@@ -13,5 +13,7 @@ process backend), _sandbox_child (the script that applies the limits inside the 
 
 from arlopti_jax.tasks.tools.calculator import CalculatorLimits, calculate
 from arlopti_jax.tasks.tools.result import ToolResult
+from arlopti_jax.tasks.tools.sandbox import CodeExecutor, Isolation, PythonExecutor, SandboxLimits
 
-__all__ = ["CalculatorLimits", "ToolResult", "calculate"]
+__all__ = ["CalculatorLimits", "CodeExecutor", "Isolation", "PythonExecutor", "SandboxLimits", "ToolResult",
+           "calculate"]
