@@ -4,7 +4,8 @@ Every estimator maps one scalar reward per response to token-level advantages:
 
     rewards        [B]     float  verifiable reward r_i of response i
     group_ids      [B]     int    responses of the same prompt share an id (any ids, any order)
-    response_mask  [B, T]  0/1    1 on the response tokens of row i (aligned with input_ids)
+    response_mask  [B, T]  0/1    1 on the response tokens of row i (aligned with input_ids); in a
+                                  tool episode the action mask, with holes at the observations
     ->             [B, T]  float  advantages, 0 outside the response mask
 
 Group statistics use a [B, B] equality matrix of ``group_ids`` (no assumption that a
@@ -18,7 +19,9 @@ Estimators (see docs/paper.md, "Advantage estimators"):
                        Dr. GRPO's advantage only: pair it with agg='seq-mean-token-sum'.
   rloo                 A_i = r_i - mean_{j in g, j != i} r_j (size-1 group: 0).
   reinforce_plus_plus  token reward r_i on the last response token, per-token discounted
-                       return G_t = sum_{s >= t} gamma^(s-t) r_s over the response, then
+                       return G_t = sum_{s >= t} gamma^(s-t) r_s over the response (s and t
+                       counting the masked-in tokens: a tool episode's observations are
+                       skipped), then
                        whitened over all valid tokens of the batch:
                        (G - mean) * rsqrt(var + 1e-8), var unbiased (as verl's masked_whiten).
 
@@ -130,12 +133,15 @@ def last_token_rewards(rewards: Array, mask: Array) -> Array:
 
 
 def discounted_returns(token_rewards: Array, mask: Array, gamma: float) -> Array:
-    """G_t = m_t * (r_t + gamma * G_{t+1}), scanned right to left over the sequence."""
+    """G_t = m_t * (r_t + gamma * G_{t+1}), scanned right to left over the sequence, where G_{t+1} is
+    the return of the next masked-in token: a hole in the mask (a tool episode's observation, which
+    is not the policy's) passes the return through unchanged and costs no discount step, so each
+    of the policy's tokens gets the return of the policy's tokens after it."""
 
     def body(nxt, xs):
         r, m = xs
         g = m * (r + gamma * nxt)
-        return g, g
+        return jnp.where(m > 0, g, nxt), g
 
     _, out = jax.lax.scan(body, jnp.zeros(token_rewards.shape[0], jnp.float32),
                           (token_rewards.T, mask.T), reverse=True)
