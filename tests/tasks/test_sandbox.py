@@ -212,35 +212,65 @@ def test_root_needs_a_private_user_id():
         SandboxLimits(wall_s=0)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.access("/usr/bin/python3", os.X_OK),
-                    reason="runs the executor as a non-root user: needs root, setpriv and a system python3")
-def test_as_a_non_root_user_the_documented_limits_hold():
-    """The executor as a non-root trainer runs it (CI's case), checked here from root: seccomp stops
-    forks and sockets, and the trainer's environment is readable (documented)."""
+SYSTEM_PYTHON = "/usr/bin/python3"
+needs_root_and_system_python = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(SYSTEM_PYTHON, os.X_OK),
+    reason="runs the executor under another interpreter or user: needs root, setpriv and a system python3")
+
+
+def run_script(body: str, *prefix: str) -> list[str]:
+    """The lines a script printed that makes an executor and runs programs with it (``ex``), run by
+    the system python3 after ``prefix`` (e.g. setpriv to another user), from a folder others may read."""
     folder = Path(tempfile.mkdtemp(dir="/tmp"))  # not pytest's tmp_path: its parent is root's 0700 folder
-    script = folder / "nonroot.py"
+    script = folder / "script.py"
     script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
-                      "from arlopti_jax.tasks.tools import PythonExecutor, SandboxLimits\n"
-                      "ex = PythonExecutor(SandboxLimits(wall_s=5))\nprint(ex.check())\n"
-                      "print(ex.run('import os\\nos.fork()').error)\n"
-                      "print(ex.run('import socket\\nsocket.socket()').error)\n"
-                      "import os\nprint(ex.run(f'print(open(\"/proc/{os.getpid()}/environ\").read())').output)\n")
+                      "from arlopti_jax.tasks.tools import PythonExecutor, SandboxLimits\n" + body)
     folder.chmod(0o755)
     script.chmod(0o644)
     env = {"PATH": "/usr/bin:/bin", "ARLOPTI_TEST_SECRET": "visible"}
     try:
-        proc = subprocess.run(["setpriv", "--reuid=4321", "--regid=4321", "--clear-groups", "/usr/bin/python3",
-                               str(script)], capture_output=True, text=True, env=env, timeout=60, cwd="/")
+        proc = subprocess.run([*prefix, SYSTEM_PYTHON, str(script)], capture_output=True, text=True, env=env,
+                              timeout=60, cwd="/")
     finally:
         shutil.rmtree(folder)
     if "ModuleNotFoundError" in proc.stderr or "SyntaxError" in proc.stderr:
         pytest.skip(f"the system python3 cannot import the package: {proc.stderr.strip().splitlines()[-1]}")
-    lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+@needs_root_and_system_python
+def test_as_a_non_root_user_the_documented_limits_hold():
+    """The executor as a non-root trainer runs it (CI's case), checked here from root: seccomp stops
+    forks and sockets, and the trainer's environment is readable (documented)."""
+    lines = run_script("ex = PythonExecutor(SandboxLimits(wall_s=5))\nprint(ex.check())\n"
+                       "print(ex.run('import os\\nos.fork()').error)\n"
+                       "print(ex.run('import socket\\nsocket.socket()').error)\n"
+                       "import os\nprint(ex.run(f'print(open(\"/proc/{os.getpid()}/environ\").read())').output)\n",
+                       "setpriv", "--reuid=4321", "--regid=4321", "--clear-groups")
     assert lines[0] == "Isolation(seccomp=True, uid=4321, private_tmp=False, notes=())"
     assert lines[1] == "exit status 1: BlockingIOError: [Errno 11] Resource temporarily unavailable"
     assert lines[2] == "exit status 1: PermissionError: [Errno 13] Permission denied"
     assert "ARLOPTI_TEST_SECRET=visible" in lines[3]
+
+
+@needs_root_and_system_python
+def test_as_root_without_a_mount_namespace_the_private_user_id_still_holds():
+    """private_tmp=False (as where the kernel refuses the namespace): the program runs as its own user
+    id in the host folder of the call, if that id can reach the interpreter (the system python3 here);
+    the trainer's interpreter under a 0700 folder cannot be reached, and each call says so."""
+    lines = run_script("ex = PythonExecutor(SandboxLimits(wall_s=5), private_tmp=False)\niso = ex.check()\n"
+                       "print(iso.private_tmp, iso.uid > 10**9, iso.seccomp)\n"
+                       "out = ex.run('import os\\nprint(os.getcwd().startswith(\"/tmp/arlopti-sandbox-\"))\\n"
+                       "open(\"/etc/arlopti-test\", \"w\")').output.splitlines()\nprint(out[0])\nprint(out[-1])\n")
+    assert lines == ["False True True", "True", "PermissionError: [Errno 13] Permission denied: '/etc/arlopti-test'"]
+    assert not Path("/etc/arlopti-test").exists()
+    blocked = [p for p in sandbox_module._python_paths() if not os.access(p, os.X_OK) or
+               any(not Path(*Path(p).parts[:i]).stat().st_mode & 0o001 for i in range(2, len(Path(p).parts) + 1))]
+    if blocked:  # this machine's trainer interpreter lives where another user id cannot go
+        result = PythonExecutor(LIMITS, private_tmp=False).run("print(1)")
+        assert result.error.startswith("the sandbox could not run the program: PermissionError: [Errno 13] the "
+                                       "private user id cannot enter"), result
 
 
 def test_the_test_process_goes_on():

@@ -6,11 +6,14 @@ no arlopti_jax) and ends in ``os.execve`` of the interpreter on ``main.py``, so 
 process is this one (its exit status and signals reach the parent as its own) and everything set
 here holds for it:
 
-  1. as root, with a private user id (CONFIG 'uid'): a mount namespace of its own, in which
-     /tmp, /var/tmp, /dev/shm and /run/lock are fresh size-limited tmpfs's (gone with it), and
-     any folder on the way to the interpreter that the user id could not enter (pyenv under a
-     0700 /root) is a tmpfs holding only the interpreter's folders, bound back in place; the
-     program then runs in /tmp/work as that user id, without supplementary groups;
+  1. as root, with a private user id (CONFIG 'uid'): a mount namespace of its own (CONFIG
+     'private_tmp'), in which /tmp, /var/tmp, /dev/shm and /run/lock are fresh size-limited
+     tmpfs's (gone with it), and any folder on the way to the interpreter that the user id could
+     not enter (pyenv under a 0700 /root) is a tmpfs holding only the interpreter's folders,
+     bound back in place; the program then runs in /tmp/work. Where the kernel refuses the
+     namespace (root in a container without CAP_SYS_ADMIN) it runs in the call's host folder,
+     given to the user id, with a note, provided the user id can reach the interpreter. Then
+     the user id is set, without supplementary groups;
   2. the resource limits (CPU seconds, address space, file size, open files, core 0, and tasks
      where the parent gives a count: RLIMIT_NPROC does not bind root);
   3. a seccomp filter (x86_64 and aarch64 Linux): no new processes (fork, vfork, clone without
@@ -169,20 +172,32 @@ def set_limits(config: dict) -> None:
 
 def _setup(config: dict, report: dict) -> None:
     uid = config["uid"]
+    os.umask(0o022)  # the folders made for the interpreter must be enterable by the user id
     with open("main.py", "rb") as f:
         code = f.read()
-    if uid is not None:
-        private_filesystem(config)
-        os.chdir("/tmp/work")
-        report["private_tmp"] = True
+    if uid is not None and config["private_tmp"]:
+        try:
+            private_filesystem(config)
+            os.chdir("/tmp/work")
+            report["private_tmp"] = True
+        except OSError as e:  # e.g. root in a container without CAP_SYS_ADMIN
+            report["notes"].append(f"no private /tmp ({e}): the program may write in the host's world-writable folders")
+    if uid is not None and not report["private_tmp"]:
+        blocked = sorted({a for a in map(_blocked_ancestor, config["python_paths"]) if a})
+        if blocked:
+            raise OSError(EACCES, f"the private user id cannot enter {blocked[0]}, where the interpreter lives, "
+                          "without a private mount namespace: install Python where others may read it, allow the "
+                          "namespace (CAP_SYS_ADMIN), or run the trainer as a non-root user")
+        os.chown(".", uid, uid)  # the host folder of the call; main.py stays root's, readable
     set_limits(config)
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
         report["uid"] = os.getuid()
-        with open("main.py", "wb") as f:
-            f.write(code)
+        if report["private_tmp"]:
+            with open("main.py", "wb") as f:
+                f.write(code)
     try:
         install_seccomp(config["processes"], signals=config["processes"] and uid is not None)
         report["seccomp"] = True
@@ -198,7 +213,9 @@ def main() -> None:
     try:
         _setup(config, report)
         os.write(fd, json.dumps(report).encode() + b"\n")
-        os.execve(sys.executable, [sys.executable, *config["python_flags"], "main.py"], config["env"])
+        home = os.getcwd()  # the call's folder: /tmp/work, or the host folder
+        env = {**config["env"], "HOME": home, "TMPDIR": "/tmp" if report["private_tmp"] else home}
+        os.execve(sys.executable, [sys.executable, *config["python_flags"], "main.py"], env)
     except Exception as e:  # the call cannot run as asked: say so, and run nothing
         os.write(fd, json.dumps({"setup_error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
         sys.exit(70)

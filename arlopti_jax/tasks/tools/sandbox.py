@@ -16,7 +16,7 @@ What every call of PythonExecutor gets:
     script folder on the path; ``site_packages=True`` drops -S so the interpreter's installed
     packages, sympy and numpy among them, can be imported), in a new session (its own process
     group), stdin /dev/null, and an environment of its own, nothing inherited: PATH, LANG and
-    LC_ALL C.UTF-8, HOME and TMPDIR its folder (root: the private /tmp), BLAS on one thread;
+    LC_ALL C.UTF-8, HOME its folder, TMPDIR that or the private /tmp (root), BLAS on one thread;
   * an empty temporary working folder holding only main.py, removed afterwards;
   * limits: wall-clock ``wall_s`` (the process group killed at the deadline; the caller waits at
     most that plus a moment), CPU ``cpu_s`` (RLIMIT_CPU), address space ``memory_bytes``
@@ -34,7 +34,10 @@ What every call of PythonExecutor gets:
     call (not root, no groups; RLIMIT_NPROC then binds, to ``tasks``), in a mount namespace where
     /tmp, /var/tmp, /dev/shm and /run/lock (the usual world-writable folders) are fresh tmpfs's of
     ``tmp_bytes`` (gone after the call) and a 0700 folder on the way to the interpreter (pyenv
-    under /root) holds only the interpreter's folders.
+    under /root) holds only the interpreter's folders. Where the kernel refuses the namespace
+    (root in a container without CAP_SYS_ADMIN), or with ``private_tmp=False``, the program runs
+    in its host folder with the host's /tmp (``Isolation.notes`` says so), if the user id can
+    reach the interpreter; otherwise every call fails with a message saying why.
     As root with no private user id the program would be root: the executor refuses to start
     (``private_uid=False`` as root must be asked for with ``allow_root=True``).
 
@@ -206,12 +209,13 @@ class PythonExecutor:
     """The local process backend of CodeExecutor (module docstring)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), *, private_uid: bool | None = None,
-                 allow_root: bool = False):
+                 private_tmp: bool = True, allow_root: bool = False):
         if not sys.executable:
             raise RuntimeError("the Python tool needs sys.executable, and this interpreter has none")
         root = os.geteuid() == 0
         self.limits = limits
         self.private_uid = root if private_uid is None else private_uid
+        self.private_tmp = private_tmp
         if self.private_uid and not root:
             raise ValueError("private_uid=True needs the trainer to run as root (it sets the child's user id)")
         if root and not self.private_uid and not allow_root:
@@ -222,20 +226,20 @@ class PythonExecutor:
         self._warned: set[str] = set()
         self.last_isolation: Isolation | None = None  # of the latest call that started
 
-    def _config(self, uid: int | None, report_fd: int, workdir: str) -> dict:
+    def _config(self, uid: int | None, report_fd: int) -> dict:
         lim = self.limits
-        tmp = "/tmp" if uid is not None else workdir
         if uid is not None:
             tasks = lim.tasks
         elif os.geteuid() != 0 and sys.platform == "linux":
             tasks = _user_tasks() + lim.tasks
         else:  # root keeps its processes unlimited whatever RLIMIT_NPROC says; other systems: not counted here
             tasks = None
-        return {"uid": uid, "report_fd": report_fd, "python_paths": _python_paths(), "tmp_bytes": lim.tmp_bytes,
+        return {"uid": uid, "private_tmp": self.private_tmp, "report_fd": report_fd, "python_paths": _python_paths(),
+                "tmp_bytes": lim.tmp_bytes,
                 "cpu_s": max(1, math.ceil(lim.cpu_s)), "memory_bytes": lim.memory_bytes, "file_bytes": lim.file_bytes,
                 "open_files": lim.open_files, "tasks": tasks, "processes": lim.processes,
                 "python_flags": ["-I"] if lim.site_packages else ["-I", "-S"],
-                "env": {**self.env, "HOME": tmp, "TMPDIR": tmp}}
+                "env": self.env}
 
     def run(self, code: str, timeout_s: float | None = None) -> ToolResult:
         """Run ``code`` (module docstring); its output, or why it failed, as a ToolResult."""
@@ -258,7 +262,7 @@ class PythonExecutor:
         report_r, report_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(CHILD), json.dumps(self._config(uid, report_w, workdir))],
+                [sys.executable, "-I", "-S", str(CHILD), json.dumps(self._config(uid, report_w))],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
                 env=self.env, start_new_session=True, close_fds=True, pass_fds=(report_w,))
         except OSError as e:
