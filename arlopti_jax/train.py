@@ -27,6 +27,7 @@ from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
 from arlopti_jax.rl.loop import STOPPED_EXIT_CODE, train
 from arlopti_jax.store.checkpoint import CheckpointMismatch, CheckpointUnreadable
+from arlopti_jax.store.trackers import TrackerError
 
 COMMAND = Command(
     name="arlopti_jax.train", doc=__doc__, default_file=DEFAULT_CONFIG,
@@ -64,7 +65,8 @@ def main(argv) -> int:
     startup_done(COMMAND.name)
     try:
         summary = train(config, inputs)
-    except (CheckpointMismatch, CheckpointUnreadable) as err:  # found as the checkpoint is read
+    # found as the checkpoint is read; a tracker that cannot start (store/metrics.py: TrackerError)
+    except (CheckpointMismatch, CheckpointUnreadable, TrackerError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     faults.point("exit")

@@ -136,7 +136,9 @@ class RunFolder:
     ``remote``: the bucket folder or None. ``sync()`` copies every record file of ``local`` up
     (process 0 writes the records; it alone syncs)."""
 
-    RECORDS = ("metrics.jsonl", "eval.jsonl", "metrics.jsonl.replaced", "eval.jsonl.replaced")
+    # trackers.json: the trackers' run ids (store/trackers.py), so that a run resumed on another host
+    # logs into the same dashboard runs
+    RECORDS = ("metrics.jsonl", "eval.jsonl", "metrics.jsonl.replaced", "eval.jsonl.replaced", "trackers.json")
 
     def __init__(self, run_dir, field: str = "config.run_dir"):
         self.run_dir = path(run_dir, field)

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from arlopti_jax.runtime import faults
+from arlopti_jax.runtime import faults, paths
 from arlopti_jax.store import trackers
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,16 @@ class Timer:
 
 class MetricsWriter:
     """Process 0's records of a run: every scalar to ``metrics.jsonl``, and the run's config (at
-    the start), scalars, histograms, texts and summary to each tracker of ``loggers``. A tracker
-    that fails, at its start or later, is reported in one warning line and dropped: the run and
-    the other trackers go on (``trackers.check`` at start-up finds a missing package or bad
-    settings before that)."""
+    the start), scalars, histograms, texts and summary to each tracker of ``loggers``.
+
+    ``run_dir``: the folder the records are written in (a bucket run's staging folder); the trackers
+    name the run after ``config["run_dir"]`` (``trackers.run_name``). A run whose ``metrics.jsonl``
+    already holds records (one that carries on from a checkpoint: the loop has trimmed the records
+    after it) continues its trackers' runs of ``run_dir/trackers.json``; one that starts over starts
+    new ones. A tracker that cannot start raises ``trackers.TrackerError`` (one line naming it: the
+    user asked for it, and ``trackers.check`` at start-up let it pass), the others it started closed
+    again. One that fails later is reported in one warning line and dropped: the run and the other
+    trackers go on."""
 
     def __init__(self, run_dir: str | Path, enabled: bool | None = None, loggers: str = "tensorboard",
                  config: dict | None = None):
@@ -54,12 +60,21 @@ class MetricsWriter:
         self._trackers: dict[str, object] = {}
         if self.enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+            config = config or {}
+            named = config.get("run_dir") or str(self.run_dir)
+            jsonl = self.run_dir / "metrics.jsonl"
+            carry_on = jsonl.is_file() and jsonl.stat().st_size > 0
+            run = trackers.Run(self.run_dir, trackers.run_name(named),
+                               named if paths.is_remote(named) else str(self.run_dir.absolute()),
+                               trackers.TrackerIds(self.run_dir, carry_on))
             for name in trackers.names(loggers):
                 try:
-                    self._trackers[name] = trackers.start(name, self.run_dir, config or {})
-                except Exception as err:
-                    log.warning("the %s tracker could not start, the run goes on without it: %s", name, err)
+                    self._trackers[name] = trackers.start(name, run, config)
+                except Exception as err:  # whatever the tracker's client raises: it did not start
+                    self.close_trackers()
+                    raise trackers.TrackerError(f"config.train.loggers: the {name} tracker could not start: "
+                                                f"{trackers.reason(err)}") from None
+            self._jsonl = open(jsonl, "a")
 
     @property
     def loggers(self) -> list[str]:
@@ -101,8 +116,11 @@ class MetricsWriter:
         if self.enabled:
             self._each("flush")
 
+    def close_trackers(self) -> None:
+        self._each("close")
+        self._trackers.clear()
+
     def close(self) -> None:
         if self.enabled:
-            self._each("close")
-            self._trackers.clear()
+            self.close_trackers()
             self._jsonl.close()

@@ -65,17 +65,24 @@ def _items(items) -> dict:
     return out
 
 
-def read_wandb(run_dir: Path) -> dict:
-    """The one offline W&B run under ``run_dir/wandb``: its config, history rows by step (tables
-    read from their files as lists of rows), and final summary."""
-    [log] = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+def wandb_logs(run_dir: Path) -> list[Path]:
+    """The offline W&B runs' transaction logs under ``run_dir/wandb``, oldest first (a resumed run adds
+    one, with the same run id: ``run-<id>.wandb``)."""
+    return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
+
+
+def read_wandb(run_dir: Path, log: Path | None = None) -> dict:
+    """The one offline W&B run under ``run_dir/wandb`` (or its transaction log ``log``): its id,
+    config, history rows by step (tables read from their files as lists of rows), and final summary."""
+    if log is None:
+        [log] = wandb_logs(run_dir)
     records = wandb_records(log)
-    config, history, summary, name = {}, {}, {}, None
+    config, history, summary, name, run_id = {}, {}, {}, None, None
     for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             config = {u.key: json.loads(u.value_json) for u in record.run.config.update if u.key != "_wandb"}
-            name = record.run.display_name
+            name, run_id = record.run.display_name, record.run.run_id
         elif kind == "history":
             row = _items(record.history.item)
             for key, value in list(row.items()):
@@ -84,7 +91,7 @@ def read_wandb(run_dir: Path) -> dict:
             history.setdefault(int(row["_step"]), {}).update(row)
         elif kind == "summary":
             summary.update(_items(record.summary.update))
-    return {"config": config, "history": history, "summary": summary, "name": name}
+    return {"config": config, "history": history, "summary": summary, "name": name, "id": run_id}
 
 
 def read_mlflow(uri: str, experiment: str = "arlopti-test") -> dict:
@@ -101,6 +108,7 @@ def read_mlflow(uri: str, experiment: str = "arlopti-test") -> dict:
             yield from files(entry.path) if entry.is_dir else [entry.path]
 
     texts = {p: Path(client.download_artifacts(run_id, p)).read_text() for p in files()}
-    return {"params": run.data.params, "status": run.info.status, "name": run.info.run_name,
+    return {"params": run.data.params, "status": run.info.status, "name": run.info.run_name, "tags": run.data.tags,
+            "id": run_id,
             "metrics": {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k))
                         for k in run.data.metrics}, "texts": texts}

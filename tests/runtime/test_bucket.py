@@ -1,15 +1,17 @@
 """A run folder, a model and data in a bucket (``gs://``), against a GCS emulator on localhost: the
 checkpoints go to the bucket through orbax, the records through ``paths.RunFolder``, the model and
 data are read from one copy per host; a killed run resumes from the bucket's checkpoint to the
-uninterrupted run's records."""
+uninterrupted run's records, on another host (staging folder) into the same W&B and MLflow runs."""
 
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gcs_fixtures import emulator, make_bucket, upload
 from run_fixtures import kill_after_checkpoint, make_config, overrides, step_metrics
+from tracker_readers import offline_env, read_mlflow, read_wandb, wandb_logs
 
 from arlopti_jax.runtime import paths
 from arlopti_jax.store.checkpoint import Checkpointer
@@ -79,12 +81,26 @@ def test_a_run_in_a_bucket_killed_and_resumed_equals_the_uninterrupted_one(gcs, 
     assert set(want) == {1, 2, 3, 4}
     assert paths.path(f"{bucket}/a/checkpoints/4").is_dir() and paths.path(f"{bucket}/a/tb").is_dir()
 
-    b = values("b")
-    kill_after_checkpoint(b)  # a separate process: its own copies of the model and data
-    train(make_config({**b, "resume": "auto"}))
+    # b: with W&B (offline) and MLflow (a local store), killed on one host and resumed on another
+    b = {**values("b"), "train.loggers": "wandb,mlflow"}
+    uri = offline_env(tmp_path, monkeypatch)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service, as a new job's
+    kill_after_checkpoint(b, env=env)  # a separate process: its own copies of the model and data
+    first_host = paths.RunFolder(f"{bucket}/b").local
+    monkeypatch.setenv("ARLOPTI_STAGING", str(tmp_path / "other_host"))  # the records, trackers.json among them,
+    train(make_config({**b, "resume": "auto"}))                          # come from the bucket
     got = step_metrics(f"{bucket}/b")
     for step in (1, 2, 3, 4):
         assert got[step] == want[step], f"step {step} differs after resume"
     lines = lambda run: [json.loads(x)["step"]
                          for x in paths.path(f"{bucket}/{run}/metrics.jsonl").read_text().splitlines()]
     assert lines("b") == lines("a")
+    # one dashboard run each, named after the bucket's folder, not a host's staging folder
+    second_host = paths.RunFolder(f"{bucket}/b").local
+    assert second_host != first_host and first_host.name != "b"
+    [killed], [resumed] = wandb_logs(first_host), wandb_logs(second_host)
+    assert killed.name == resumed.name and read_wandb(second_host, resumed)["name"] == "b"
+    assert sorted(read_wandb(second_host, resumed)["history"]) == [3, 4]  # after checkpoint 2
+    mlflow = read_mlflow(uri)
+    assert mlflow["name"] == "b" and mlflow["status"] == "FINISHED" and mlflow["tags"]["run_dir"] == f"{bucket}/b"
+    assert mlflow["metrics"]["reward/mean"][-2:] == [(3, want[3]["reward/mean"]), (4, want[4]["reward/mean"])]
