@@ -271,6 +271,16 @@ class ScriptedSandbox:
         return ToolResult(f"remote ran {len(code)} bytes within {self.limits.wall_s:g} s", None, 0.01)
 
 
+def test_math_python_checks_its_sandbox_at_start_up():
+    """The local sandbox runs one program when the environment is first made with its limits: one it
+    cannot run in (here: too little memory for the interpreter) stops the start-up with the reason."""
+    with pytest.raises(EnvironmentLoadError) as err:
+        load_environment("math_python", {"memory_bytes": 4 << 20}, field="config.env.name")
+    assert str(err.value).startswith("config.env.name='math_python': making the environment raised RuntimeError: "
+                                     "the Python tool cannot run a program here: ")
+    assert "\n" not in str(err.value)
+
+
 def test_math_python_takes_another_sandbox_by_import_path():
     env = load_environment("math_python", {"executor": f"{__name__}:ScriptedSandbox", "wall_s": 7})()
     env.reset(MATH)

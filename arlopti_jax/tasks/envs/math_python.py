@@ -20,6 +20,8 @@ returns one, for a real sandbox (a container, gVisor, a service) in place of the
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 from arlopti_jax.tasks.envs.base import ToolEnvironment
@@ -28,11 +30,25 @@ from arlopti_jax.tasks.tools.result import ToolResult
 from arlopti_jax.tasks.tools.sandbox import CodeExecutor, PythonExecutor, SandboxLimits
 
 
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def local_executor(limits: SandboxLimits) -> PythonExecutor:
+    """The local process backend for ``limits``, one per process, checked once when first made (a
+    program that cannot run here stops the start-up with the reason, instead of failing every call)."""
+    executor = PythonExecutor(limits)
+    isolation = executor.check()
+    log.info("Python tool: seccomp filter %s, user id %d, private /tmp %s%s", "on" if isolation.seccomp else "off",
+             isolation.uid, isolation.private_tmp, "".join(f"; {n}" for n in isolation.notes))
+    return executor
+
+
 def make_executor(executor: Any, limits: SandboxLimits) -> CodeExecutor:
-    """``executor`` as a CodeExecutor: None -> the local process backend; an import path -> what the
-    callable it names returns for ``limits``; any object with a ``run`` method -> itself."""
+    """``executor`` as a CodeExecutor: None -> the local process backend (`local_executor`); an import
+    path -> what the callable it names returns for ``limits``; any object with a ``run`` method -> itself."""
     if executor is None:
-        return PythonExecutor(limits)
+        return local_executor(limits)
     if isinstance(executor, str):
         executor = resolve(executor, f"executor={executor!r}")(limits)
     if not callable(getattr(executor, "run", None)):

@@ -352,5 +352,5 @@ class PythonExecutor:
         """Run ``print(1)``; the Isolation it got. RuntimeError when the program cannot run here."""
         result = self.run("print(1)")
         if result.output != "1\n" or result.error is not None:
-            raise RuntimeError(f"the Python tool cannot run a program here: {result.error or result.output!r}")
+            raise RuntimeError(f"the Python tool cannot run a program here: {result.error or repr(result.output)}")
         return self.last_isolation
