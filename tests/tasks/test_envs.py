@@ -287,3 +287,21 @@ def test_math_python_takes_another_sandbox_by_import_path():
     assert env.step(qwen_call("python", code="print(1)")).observation == "remote ran 8 bytes within 7 s"
     with pytest.raises(EnvironmentLoadError, match="executor='nowhere_xyz:Box': cannot import module"):
         load_environment("math_python", {"executor": "nowhere_xyz:Box"})
+
+
+def test_the_pool_runs_many_episodes_tool_calls_at_once():
+    """Eight math_python episodes whose programs each take 0.6 s: their steps overlap in the pool, each
+    with its own result, and one that overruns the sandbox's limit is a timeout, not a wait."""
+    factory = load_environment("math_python", {"wall_s": 1.5, "cpu_s": 1, "site_packages": False})
+    envs = [factory() for _ in range(8)]
+    with StepPool("math_python", max_workers=8) as pool:
+        assert all(s.observation is None and not s.done for s in pool.resets([(e, MATH, i) for i, e in
+                                                                               enumerate(envs)], timeout_s=5))
+        codes = [f"import time\ntime.sleep(0.6)\nprint({i} * 11)" for i in range(7)] + ["import time\ntime.sleep(60)"]
+        start = time.monotonic()
+        steps = pool.steps([(e, qwen_call("python", code=c), i, 1) for i, (e, c) in enumerate(zip(envs, codes))],
+                           timeout_s=10)
+        elapsed = time.monotonic() - start
+    assert [s.observation for s in steps[:7]] == [str(i * 11) for i in range(7)]
+    assert steps[7].observation == "Error: timed out after 1.5 s" and steps[7].info["tool_timeouts"] == 1
+    assert elapsed < 1.5 + 2.0, elapsed  # the slowest call's limit and a margin, not 7 * 0.6 s + 1.5 s
