@@ -14,6 +14,11 @@ No training files are needed.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import sys
 import time
 from pathlib import Path
@@ -136,9 +141,6 @@ def main(argv) -> int:
 
 
 def _cli():
-    from arlopti_jax.runtime import process
-
-    process.prepare()  # this command's own settings, before anything starts the backend
     from absl import flags
 
     from arlopti_jax.config.cli import define_config_file, parse_command_line

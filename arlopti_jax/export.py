@@ -14,6 +14,11 @@ or vLLM's ``LoRARequest`` on the run's base model.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import argparse
 import json
 import sys
@@ -111,7 +116,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from arlopti_jax.runtime import process
-
-    process.prepare()  # this command's own settings, before anything starts the backend
     sys.exit(main())

@@ -65,6 +65,11 @@ resumes the interrupted ones from their last checkpoint. One progress bar covers
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import argparse
 import json
 import logging
@@ -264,7 +269,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from arlopti_jax.runtime import process
-
-    process.prepare()  # this command's own settings, before anything starts the backend
     sys.exit(main())

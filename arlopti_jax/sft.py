@@ -16,6 +16,11 @@ text and a small random Qwen2 model, warm-started on generated K&K worked soluti
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import logging
 import sys
 from pathlib import Path
@@ -141,9 +146,6 @@ def main(argv) -> int:
 
 
 def _cli():
-    from arlopti_jax.runtime import process
-
-    process.prepare()  # this command's own settings, before anything starts the backend
     from ml_collections import config_flags
 
     from arlopti_jax.config.cli import parse_command_line

@@ -14,6 +14,11 @@ same data order and RNG.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import logging
 import sys
 
@@ -26,6 +31,8 @@ from arlopti_jax.rl import run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG, ConfigError, validate
 from arlopti_jax.rl.loop import STOPPED_EXIT_CODE, train
+from arlopti_jax.rl.pipeline import SyncError
+from arlopti_jax.rl.update import MismatchError
 from arlopti_jax.store.checkpoint import CheckpointMismatch, CheckpointUnreadable
 from arlopti_jax.store.trackers import TrackerError
 
@@ -54,11 +61,11 @@ def main(argv) -> int:
             logging.getLogger().setLevel(logging.WARNING)
         chips.print_backend()  # what it runs on, before anything is built
         validate(config, jax.device_count(), jax.default_backend(), shd.slice_count(jax.devices()))
-        dist.validate(config, run_setup.make_mesh(config))
-        run_setup.make_sampler_mesh(config)  # a split the devices or processes cannot hold stops here
+        layout = run_setup.make_layout(config)  # a split the devices or processes cannot hold stops here
+        dist.validate(config, layout.mesh)
         # a missing path, a resume setting run_dir contradicts, unreadable data or a training set that
         # cannot fill one batch stops here, in one line
-        inputs = run_setup.prepare_inputs(config)
+        inputs = run_setup.prepare_inputs(config, layout)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -69,14 +76,14 @@ def main(argv) -> int:
     except (CheckpointMismatch, CheckpointUnreadable, TrackerError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (SyncError, MismatchError) as err:  # the sampler holds other weights, or computes other log-probs
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     faults.point("exit")
     return STOPPED_EXIT_CODE if summary["preempted"] else 0  # 75: a stop signal ended it, resume me
 
 
 def _cli():
-    from arlopti_jax.runtime import process
-
-    process.prepare()  # this command's own settings, before anything starts the backend
     from arlopti_jax.config.cli import define_config_file, parse_command_line
 
     sys.exit(main(parse_command_line(sys.argv, COMMAND, define_config_file)))

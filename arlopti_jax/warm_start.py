@@ -13,6 +13,11 @@ puzzles. Prints one line per people count, and returns the accuracies.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import argparse
 import json
 import sys
@@ -83,7 +88,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from arlopti_jax.runtime import process
-
-    process.prepare()  # this command's own settings, before anything starts the backend
     sys.exit(main())

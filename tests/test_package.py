@@ -71,12 +71,14 @@ def test_a_command_sets_the_scheduler_flag_only_with_several_host_devices(enviro
 
 
 def test_a_command_says_its_settings_and_the_platforms_jax_did_not_start_in_its_start_up_line(tmp_path):
-    """A command's process (``process.prepare`` and the backend's start, as train's ``_cli`` runs them):
+    """A command's process (``process.prepare`` before JAX's import, then the backend's start, as
+    ``python -m arlopti_jax.train`` runs them):
     the flag in force when the backend starts (the backend has the 3 devices the same XLA_FLAGS asks
     for), the start-up line naming it; JAX_PLATFORMS unset, so JAX chooses the platform, and what it
     could not start (.[aot]'s plugins on this CPU machine) is named, without the plugins' C++ lines."""
-    code = ("import os, jax; from arlopti_jax.runtime import process, chips; process.prepare(); "
-            "chips.print_backend(); print(os.environ['XLA_FLAGS']); print(jax.config.jax_platforms)")
+    code = ("import os; from arlopti_jax.runtime import process; process.prepare(); import jax; "
+            "from arlopti_jax.runtime import chips; chips.print_backend(); print(os.environ['XLA_FLAGS']); "
+            "print(jax.config.jax_platforms)")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -89,6 +91,7 @@ def test_a_command_says_its_settings_and_the_platforms_jax_did_not_start_in_its_
     if importlib.util.find_spec("libtpu") is not None:  # .[aot] here: JAX tried its TPU and said why it failed
         assert "not started: " in line and "tpu (" in line, line
     assert "Failed to find host bounds" not in proc.stderr and "libtpu_init_utils" not in proc.stderr
+    assert "cudart_stub" not in proc.stderr  # the CUDA plugin's lines at JAX's import, taken out by prepare
 
 
 def test_every_extra_installs_the_one_jax_ci_tests():

@@ -405,6 +405,11 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
                 True: PackedPrograms(with_entropy_jitted, shapes, num_devices, row_sharding)}
 
     def compute_logprobs(params, batch: dict[str, Any], with_entropy: bool = False):
+        return dispatch(params, batch, with_entropy)()
+
+    def dispatch(params, batch: dict[str, Any], with_entropy: bool = False):
+        """``compute_logprobs`` in two halves: this dispatches the passes and returns a function that
+        waits for them and gives the result, so that other programs can be dispatched between."""
         dense = _dense_host(batch, ("input_ids", "attention_mask", "response_mask"))
         ids, targets = {"input_ids": dense["input_ids"]}, {"target_ids": dense["input_ids"]}
         shape = dense["input_ids"].shape
@@ -420,11 +425,16 @@ def make_compute_logprobs(model_cfg: ModelConfig, mesh, rules=shd.DEFAULT_RULES,
                 arrays = packing.gather(mb, ids, targets)
                 arrays = {k: shd.put(v, row_sharding) for k, v in arrays.items()}
                 values.append(programs[with_entropy](params, arrays, tokens=ids, targets=targets))
-        values = jax.device_get(values)
-        if with_entropy:
-            return tuple(packing.scatter_targets(plan, [np.asarray(v[i]) for v in values], shape) for i in (0, 1))
-        return packing.scatter_targets(plan, [np.asarray(v) for v in values], shape)
 
+        def result():
+            got = jax.device_get(values)
+            if with_entropy:
+                return tuple(packing.scatter_targets(plan, [np.asarray(v[i]) for v in got], shape) for i in (0, 1))
+            return packing.scatter_targets(plan, [np.asarray(v) for v in got], shape)
+
+        return result
+
+    compute_logprobs.dispatch = dispatch
     compute_logprobs.jitted, compute_logprobs.with_entropy_jitted = jitted, with_entropy_jitted  # aot compiles them
     compute_logprobs.processed = []  # what each call packed, as ``TrainStep.processed``
     compute_logprobs.shapes, compute_logprobs.programs = shapes, programs
@@ -444,7 +454,7 @@ def _reduce_metrics(per_step: list[dict[str, Any]]) -> dict[str, float]:
 
 def update_on_batch(step: TrainStep, params, opt_state, batch: dict[str, Any],
                     passes: Sequence[tuple[Array, Array]], mini_batch_size: int, *, epochs: int = 1,
-                    shuffle_key=None):
+                    shuffle_key=None, wait: bool = True):
     """Update on one rollout batch: ``epochs`` times (the GRPO paper's mu, ``train.ppo_epochs``),
     each pass of ``prepare_updates`` (1, or 2 with Lopti: low then high in every epoch), in
     order, one optimizer step per mini-batch over the whole batch. pi_old
@@ -461,6 +471,9 @@ def update_on_batch(step: TrainStep, params, opt_state, batch: dict[str, Any],
     Returns ``(params, opt_state, metrics)``: one dict per (epoch, pass), epoch-major (epoch 0's
     passes, then epoch 1's, ...), each the mean over that pass's optimizer steps (``ratio_max``:
     the max), as Python floats.
+    With ``wait=False`` nothing waits for the devices: ``metrics`` is then a function that
+    waits for the passes and returns that list (the sampling loop dispatches the sampler's programs
+    before calling it).
     """
     if epochs < 1:
         raise ValueError(f"epochs={epochs}: must be >= 1")
@@ -471,7 +484,7 @@ def update_on_batch(step: TrainStep, params, opt_state, batch: dict[str, Any],
     fulls = [{**base, "advantages": dist.to_host(advantages), "loss_mask": dist.to_host(loss_mask)}
              for advantages, loss_mask in passes]
     plans: dict[tuple, list] = {}
-    results = []
+    per_pass = []
     for epoch in range(epochs):
         for i, full in enumerate(fulls):
             order = np.arange(rows) if shuffle_key is None else np.asarray(
@@ -484,6 +497,8 @@ def update_on_batch(step: TrainStep, params, opt_state, batch: dict[str, Any],
                     plans[key] = step.plan(full, mini)
                 params, opt_state, metrics = step.run(params, opt_state, full, mini, plans[key])
                 per_step.append(metrics)
-            results.append(_reduce_metrics(jax.device_get(per_step)))
-    return params, opt_state, results
+            per_pass.append(per_step)
+    if not wait:
+        return params, opt_state, lambda: [_reduce_metrics(jax.device_get(p)) for p in per_pass]
+    return params, opt_state, [_reduce_metrics(jax.device_get(p)) for p in per_pass]
 

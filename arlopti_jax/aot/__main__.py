@@ -30,6 +30,11 @@ compiled through the persistent compilation cache. Needs ``pip install -e ".[aot
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import json
 import sys
 
@@ -144,10 +149,7 @@ def main(argv) -> int:
 
 
 def _cli():
-    from arlopti_jax.runtime import process
-
-    process.prepare()  # this command's own settings, before anything starts the backend
-    targets.prepare_environment()  # and the compile-only compilers' (no TPU metadata server, no CUDA driver check)
+    targets.prepare_environment()  # the compile-only compilers need no TPU metadata server, no CUDA driver check
     from absl import flags
 
     from arlopti_jax.config.cli import define_config_file, parse_command_line

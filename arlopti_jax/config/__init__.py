@@ -95,6 +95,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.correction = "none"  # none | tis | seq_mask: the pi_old / behaviour-policy gap (algos/off_policy.py)
     c.rollout.tis_cap = 2.0  # tis: C of min(pi_old / pi_behaviour, C)
     c.rollout.seq_mask_bound = 1.01  # seq_mask: keep a response whose geometric-mean ratio is in [1/B, B]
+    c.rollout.max_kl = 0.5  # stop the run where the sampler's log-probs are this far (KL) from pi_old; 0 = never
     # the sampler's own devices: 0 = the trainer's mesh (colocated); N = the last N / processes of each process's
     c.rollout.devices = 0
     c.rollout.mesh = ml_collections.ConfigDict()  # the sampler's mesh over those devices (rollout.devices > 0)
@@ -316,9 +317,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(type(k) is int and k >= 0, "rollout.max_staleness", k,
            "must be an integer >= 0 (0 = on-policy; k = the update of step t consumes the batch sampled by the "
            "policy of step t - k)")
-    _check(c.rollout.correction == "none" or k >= 1 or c.rollout.recompute_old_logprobs, "rollout.correction",
-           c.rollout.correction, "corrects pi_old against the sampler's log-probs, and with rollout.max_staleness=0 "
-           "and rollout.recompute_old_logprobs=False pi_old is the sampler's: set one of them, or correction='none'")
+    _check(c.rollout.correction == "none" or k >= 1 or c.rollout.recompute_old_logprobs or c.rollout.devices,
+           "rollout.correction", c.rollout.correction, "corrects pi_old against the sampler's log-probs, and with "
+           "rollout.max_staleness=0, rollout.devices=0 and rollout.recompute_old_logprobs=False pi_old may be the "
+           "sampler's: set one of them, or correction='none'")
+    _check(math.isfinite(c.rollout.max_kl) and c.rollout.max_kl >= 0, "rollout.max_kl", c.rollout.max_kl,
+           "must be a finite number >= 0 (0 = no bound)")
     _check(math.isfinite(c.rollout.tis_cap) and c.rollout.tis_cap >= 1, "rollout.tis_cap", c.rollout.tis_cap,
            "must be a finite number >= 1 (the cap on pi_old / pi_behaviour, whose on-policy value is 1)")
     _check(math.isfinite(c.rollout.seq_mask_bound) and c.rollout.seq_mask_bound > 1, "rollout.seq_mask_bound",

@@ -73,8 +73,10 @@ FIELD_DOCS = {
                                 "last token is in the response (and the loss) either way",
     "rollout.prompt_bucket": "prompts are padded to min(next power of 2, next multiple of this) of the longest prompt "
                              "in the run's data: one prompt width per run",
-    "rollout.recompute_old_logprobs": "take pi_old from a teacher-forced pass instead of the sampler (always so "
-                                      "with max_staleness >= 1)",
+    "rollout.recompute_old_logprobs": "take pi_old from the trainer's teacher-forced pass instead of the sampler's "
+                                      "log-probs; always so where they can differ: max_staleness >= 1, the sampler "
+                                      "on devices of its own, or reading weights in another dtype than the trainer's "
+                                      "(rl/update.py); then `offpolicy/*` records the gap",
     "rollout.length_aware": "decode cost follows the responses' real lengths: the KV cache grows in phases and "
                             "finished rows are dropped from the batch; False = every step over all slots and rows "
                             "(the same tokens and log-probs)",
@@ -91,24 +93,31 @@ FIELD_DOCS = {
                              "consumes the batch sampled by the policy of step t - k (batch b by version "
                              "max(0, b - k): the initial policy samples batches 0 to k), pi_old recomputed by the "
                              "trainer at step t; the sampler waits, never drops a batch, and each batch's version is "
-                             "checked (`sampler/version`, `sampler/lag`); the next batch is sampled at the start of "
-                             "each step, or, with `rollout.devices` on a GPU or TPU and one process, in a thread "
-                             "while the update runs (rl/pipeline.py); a checkpoint holds the k versions that "
-                             "sample the batches in flight; 0 = on-policy",
+                             "checked (`sampler/version`, `sampler/lag`). At step t the sampler's programs for batch "
+                             "t + k are dispatched in turns with the update's (rl/pipeline.py), one thread, the same "
+                             "order on every process: with `rollout.devices` the two compute at once, colocated the "
+                             "host's work (scoring, packing) overlaps the devices'; a checkpoint holds the k versions "
+                             "that sample the batches in flight; 0 = on-policy",
     "rollout.correction": "the gap between pi_old and the behaviour policy (the sampler's log-probs), on the "
                           "policy-gradient term alone: `none`, `tis` (each token's weight min(pi_old / pi_behaviour, "
                           "tis_cap)) or `seq_mask` (a response whose geometric-mean ratio leaves [1/seq_mask_bound, "
                           "seq_mask_bound] gets weight 0); needs max_staleness >= 1 or recompute_old_logprobs "
                           "(algos/off_policy.py)",
-    "rollout.devices": "the sampler's own devices: 0 = it shares the trainer's mesh (colocated, the steps take "
-                       "turns); N = each process's last N / processes devices sample (N a multiple of the process "
-                       "count, each process keeping at least one for the trainer), on the mesh `rollout.mesh`, "
-                       "while the trainer's mesh (`mesh.*`) holds the rest; after every update the trained "
-                       "parameters are copied to the sampler's mesh (with LoRA the adapters alone). With "
-                       "max_staleness >= 1 the two run at once (rl/pipeline.py)",
+    "rollout.devices": "the sampler's own devices: 0 = it shares the trainer's mesh (colocated); N = each "
+                       "process's last N / processes devices sample (N a multiple of the process count, each process "
+                       "keeping at least one for the trainer), on the mesh `rollout.mesh`, while the trainer's mesh "
+                       "(`mesh.*`) holds the rest; every update's parameters are copied to the sampler's mesh (with "
+                       "LoRA the adapters alone) and checked there (checksums on both sides). With max_staleness >= 1 "
+                       "the sampler's and the trainer's devices compute at once, on one process or many "
+                       "(rl/pipeline.py); at 0 they take turns",
     "rollout.mesh.data": "the sampler's mesh (rollout.devices > 0): data-parallel axis size (-1 = the rest)",
     "rollout.mesh.fsdp": "the sampler's mesh: fsdp axis size (-1 = the rest)",
     "rollout.mesh.tensor": "the sampler's mesh: tensor-parallel axis size (-1 = the rest)",
+    "rollout.max_kl": "the run stops with one error line where the sampler's log-probs of a batch are farther "
+                      "than this from the trainer's pi_old (`offpolicy/kl_k3`, the k3 estimate per token, logged "
+                      "wherever pi_old is the trainer's): a sampler that decodes wrong or lacks the weights shows "
+                      "there first (a corrupted CPU decode measured 3.4; SmolLM2 one step stale, 0.004 at most). "
+                      "0 = no bound",
     "rollout.tis_cap": "`tis`: C, the cap on a token's importance weight pi_old / pi_behaviour (verl's "
                        "`rollout_is_threshold`, 2 by default there too)",
     "rollout.seq_mask_bound": "`seq_mask`: B, a response is kept while exp(mean over its tokens of log pi_old - log "

@@ -37,6 +37,7 @@ import numpy as np
 
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.rl.evaluation import concat_info, gather_info, info_means, score_rollout, stopped
+from arlopti_jax.rollout.sampler import drain
 
 
 def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: float) -> np.ndarray:
@@ -95,11 +96,14 @@ class Collector:
         self.prompts = config.train.batch_prompts
         self.mine = dist.block(self.prompts)  # this process's prompts of every batch
 
-    def _round(self, params, rows, key) -> _Round:
+    def _round(self, params, rows, key):
+        """One round's rollout and scores (a generator: it yields where the sampler waits for a decode
+        loop, ``Sampler.generate_steps``; returns the ``_Round``)."""
         a = self.config.algo
         mine = rows[self.mine]
         with self.timer("rollout"):
-            rollout = self.sampler.generate(params, [r["prompt_ids"] for r in mine], self.n, key, self.sampling)
+            rollout = yield from self.sampler.generate_steps(params, [r["prompt_ids"] for r in mine], self.n, key,
+                                                             self.sampling)
             rollout = stopped(self.config, self.tokenizer, rollout, self.sampling.pad_id)
         with self.timer("reward"):
             scored = score_rollout(self.config, self.reward_fn, self.tokenizer, mine, rollout, self.n)
@@ -110,12 +114,19 @@ class Collector:
         return _Round(rows, rollout, scored.texts, scores, rewards, scored.correct, scored.info)
 
     def __call__(self, params, iterator, step_key) -> StepBatch:
-        first = self._round(params, next(iterator), step_key)
+        return drain(self.steps(params, iterator, step_key))
+
+    def steps(self, params, iterator, step_key):
+        """``__call__`` as a generator that yields wherever the host would wait for the sampler's
+        devices (``Sampler.generate_steps``), so the sampling loop can dispatch the update's programs
+        meanwhile (``rl/pipeline.py``); returns the ``StepBatch``."""
+        first = yield from self._round(params, next(iterator), step_key)
         rounds = [first]
         if self.config.algo.filter_groups:
             flags = list(dist.gather(informative_groups(first.rewards, self.n)))
             while sum(int(f.sum()) for f in flags) < self.prompts and len(rounds) < self.config.algo.max_sample_rounds:
-                rounds.append(self._round(params, next(iterator), jax.random.fold_in(step_key, len(rounds))))
+                rounds.append((yield from self._round(params, next(iterator),
+                                                      jax.random.fold_in(step_key, len(rounds)))))
                 flags += dist.gather(informative_groups(rounds[-1].rewards, self.n))
             batch, rewards, group_ids, stats = self._filtered(rounds, flags)
         else:

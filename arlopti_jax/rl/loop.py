@@ -1,17 +1,27 @@
-"""The RL trainer's loop, ``train(config)``: sample -> reward -> advantage -> token weights ->
-(Lopti) updates, logging, checkpoints, evaluations, and the end-of-run summary. The command
-line is ``arlopti_jax.train``; ``arlopti_jax.reproduce`` calls ``train`` for each run of its sweep.
+"""The RL trainer's loop, ``train(config)``. The command line is ``arlopti_jax.train``;
+``arlopti_jax.reproduce`` calls ``train`` for each run of its sweep.
 
-Each step: draw ``rollout.n`` responses for ``train.batch_prompts`` prompts (optionally
-dropping zero-advantage groups and drawing more: ``algo.filter_groups``), score them,
-compute advantages and token weights, update the policy (twice with Lopti), log to
-TensorBoard, checkpoint, evaluate. SIGTERM saves a checkpoint and exits; ``resume=auto``
-continues from the newest good checkpoint with the same data order and RNG.
+Each step, in the order the code below reads:
+
+1. **take** the step's batch from the sampling loop (``rl/pipeline.py``): prompts, ``rollout.n``
+   responses each and their rewards, sampled by policy version max(0, step - k) with
+   k = ``rollout.max_staleness`` (k = 0: sampled now, with the current policy);
+2. **sync** the current version to the sampler (its own copy; on its own devices, the weight sync),
+   for the batch k steps ahead;
+3. **update** and **sample ahead** in turns (``run_together``): the update's programs (pi_old and
+   the reference's log-probs, advantages, AR / TR weights, the Lopti split, the update passes:
+   ``rl/update.py``) and the sampler's programs for the batch k steps ahead, each dispatched without
+   waiting on the other, so the two overlap; then wait for the update;
+4. **verify** the step's weight copy (checksums on both sides) and the sampler / trainer log-prob gap;
+5. **record** the step's metrics (metrics.jsonl and the trackers);
+6. **evaluate** and **save** (an orbax checkpoint, asynchronously) when due.
+
+A stop signal (SIGTERM) saves a checkpoint and exits 75; ``resume=auto`` continues from the newest
+good checkpoint with the same data order and RNG.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -23,20 +33,23 @@ import numpy as np
 from arlopti_jax import algos
 from arlopti_jax.rl import pipeline as sampling_loop
 from arlopti_jax.rl import resume, run_setup, warm_up
-from arlopti_jax.runtime import compiles, paths
-from arlopti_jax.runtime import sharding as shd
-from arlopti_jax.runtime import distributed as dist
-from arlopti_jax.store.checkpoint import PreemptionFlag
 from arlopti_jax.rl.collect import Collector
-from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, compare_table, format_table, trim_jsonl
+from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, format_table, trim_jsonl
+from arlopti_jax.rl.pipeline import Task, run_together
+from arlopti_jax.rl.summary import chance_levels, summarize
+from arlopti_jax.rl.update import MismatchError, Updater, recompute_old_logprobs
+from arlopti_jax.runtime import compiles, paths
+from arlopti_jax.runtime import distributed as dist
+from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.runtime.chips import mfu
+from arlopti_jax.store.checkpoint import PreemptionFlag
 from arlopti_jax.store.metrics import MetricsWriter, Timer
 from arlopti_jax.models import lora, param_shardings, save_pretrained
 from arlopti_jax.tasks import load_reward_fn
-from arlopti_jax.tasks.kk import guess_accuracy
 
 log = logging.getLogger("arlopti_jax.train")
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: a run a stop signal ended after its checkpoint; schedulers requeue it
+
 
 def rollout_metrics(rows, scores, correct, lengths, truncated, n: int) -> dict[str, float]:
     """Reward, accuracy and length metrics of a whole (global) batch: ``rows`` its prompts,
@@ -53,27 +66,6 @@ def rollout_metrics(rows, scores, correct, lengths, truncated, n: int) -> dict[s
     return out
 
 
-def update_metrics(pass_metrics: list[dict], lopti: algos.LoptiConfig, epochs: int = 1) -> dict[str, float]:
-    """``update/[low/|high/]NAME`` per pass (in the passes' order: a negative eta runs high first)
-    over every epoch: the mean over its optimizer steps, ``ratio_max`` the max, ``optimizer_steps``
-    the sum; with ``epochs`` > 1 also each epoch's, ``update/epochK/[low/|high/]NAME`` (K from 1).
-    ``pass_metrics``: ``update_on_batch``'s, epoch-major."""
-    names = (("low", "high") if lopti.low_first else ("high", "low")) if lopti.enabled else ("",)
-    out = {}
-    for i, name in enumerate(names):
-        per_epoch = pass_metrics[i::len(names)]
-        part = f"{name}/" if name else ""
-        if epochs > 1:
-            for k, metrics in enumerate(per_epoch, 1):
-                out.update({f"update/epoch{k}/{part}{m}": v for m, v in metrics.items()})
-            reduce = {"ratio_max": max, "optimizer_steps": sum}
-            merged = {m: float(reduce.get(m, np.mean)([e[m] for e in per_epoch])) for m in per_epoch[0]}
-        else:
-            merged = per_epoch[0]
-        out.update({f"update/{part}{m}": v for m, v in merged.items()})
-    return out
-
-
 def copy_tree(tree):
     """A copy of every array of ``tree``, in its sharding, by one program (an eager copy compiles one
     per leaf shape)."""
@@ -83,395 +75,320 @@ def copy_tree(tree):
     return jax.jit(copy_tree, out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
 
 
-def quartile_metrics(batch, advantages) -> dict[str, float]:
-    q = jax.tree.map(dist.to_host, algos.probability_quartiles(batch["old_logprobs"], advantages,
-                                                               batch["response_mask"]))
-    out = {}
-    for i in range(4):
-        out[f"quartile/q{i + 1}_mean_prob"] = q["mean_prob"][i]
-        out[f"quartile/q{i + 1}_mean_abs_adv"] = q["mean_abs_adv"][i]
-        out[f"quartile/q{i + 1}_tokens"] = q["count"][i]
-    return out
-
-
 def train(config, inputs: run_setup.Inputs | None = None) -> dict:
     """Run training per ``config``; returns the final summary (also printed). ``inputs``: the
     run's ``run_setup.prepare_inputs(config)``, when start-up has made them already."""
     compile_log = compiles.watch()
-    closing = []  # what the run started and must stop however it ends (the sampling loop's thread)
     try:
-        return _train(config, inputs, compile_log, closing)
+        return Trainer(config, inputs, compile_log).train()
     finally:
-        for close in closing:
-            close()
         compile_log.warm(False)  # the warm-up is this run's: a later run in this process warms up again
 
 
-def _train(config, inputs: run_setup.Inputs | None, compile_log: compiles.CompileLog, closing: list) -> dict:
-    started = time.time()
-    compiled_before = compile_log.programs, compile_log.seconds  # this process may have compiled before the run
-    folder = paths.RunFolder(config.run_dir)  # a bucket's run folder: its records staged on this host
-    run_dir = folder.local  # the records, TensorBoard and generations are written here
-    mesh = run_setup.make_mesh(config)
-    inputs = run_setup.prepare_inputs(config) if inputs is None else inputs
-    model_path, iterator, test_sets = inputs.model_path, inputs.iterator, inputs.test_sets
-    policy = run_setup.load_policy(config, mesh, model_path, inputs.tokenizer)
-    model_cfg, tokenizer = policy.model_cfg, policy.tokenizer
+class Trainer:
+    """One run: its objects built from the config (``__init__``), then its steps (``run``)."""
 
-    steps = run_setup.total_steps(config, iterator)
-    run = run_setup.assemble(config, mesh, model_cfg, eos_ids=run_setup.eos_ids(policy),
-                             pad_id=run_setup.pad_id(policy), total_steps=steps, prompt_width=inputs.longest_prompt,
-                             sampler_mesh=run_setup.make_sampler_mesh(config))
-    train_step = run.train_step
+    def __init__(self, config, inputs: run_setup.Inputs | None, compile_log: compiles.CompileLog):
+        self.config, self.compile_log = config, compile_log
+        self.started = time.time()
+        self.compiled_before = compile_log.programs, compile_log.seconds  # this process may have compiled before
+        self.folder = paths.RunFolder(config.run_dir)  # a bucket's run folder: its records staged on this host
+        self.rundir = self.folder.local  # the records, TensorBoard and generations are written here
+        layout = run_setup.make_layout(config) if inputs is None else inputs.layout
+        self.inputs = run_setup.prepare_inputs(config, layout) if inputs is None else inputs
+        policy = run_setup.load_policy(config, layout.mesh, self.inputs.model_path, self.inputs.tokenizer)
+        self.model_cfg, self.tokenizer = policy.model_cfg, policy.tokenizer
+        self.steps = run_setup.total_steps(config, self.inputs.iterator)
+        self.run = run = run_setup.assemble(
+            config, layout.mesh, self.model_cfg, eos_ids=run_setup.eos_ids(policy), pad_id=run_setup.pad_id(policy),
+            total_steps=self.steps, prompt_width=self.inputs.longest_prompt, sampler_mesh=layout.sampler_mesh)
+        self.k = config.rollout.max_staleness
+        self.sampler_mesh = layout.sampler_mesh
+        self.ckpt = resume.checkpointer(config)
+        self._restore(policy)
+        self.timer = Timer()
+        self.preempted = PreemptionFlag()
+        reward_fn = load_reward_fn(config.reward.fn or None)
+        self.evaluator = Evaluator(config, run, self.tokenizer, self.inputs.test_sets, reward_fn)
+        self.loop = self._sampling_loop(reward_fn)
+        grad_norms = algos.make_quartile_grad_norms(run.train_step) if config.train.diagnostics_every else None
+        self.recompute = recompute_old_logprobs(config, self.model_cfg, self.sampler_mesh)
+        self.updater = Updater(run, config, self.ref_params, self.recompute, self.timer, grad_norms)
+        self.leaf_names = [jax.tree_util.keystr(p) for p, _ in
+                           jax.tree_util.tree_leaves_with_path(lora.trainable(self.model_cfg, self.params)[0])]
+        self.history = {"before": None, "after": None, "reward": [], "eval_settings": self.evaluator.settings}
+        self.saved = {"step": self.start_step, "time": time.monotonic()}
+        self.last = {"reward/mean": float("nan"), "acc/all": float("nan")}  # the last step's metrics
 
-    staleness = config.rollout.max_staleness  # k >= 1: batches sampled up to k versions ahead (rl/pipeline.py)
-    recompute = config.rollout.recompute_old_logprobs or staleness >= 1  # pi_old: the trainer's own pass
-    correction = run_setup.correction_config(config)
-    ckpt = resume.checkpointer(config)
-    target = resume.saved_state(model_cfg, run.state)
-    sampler_mesh = run.rollout_sampler.mesh if run.rollout_sampler is not run.sampler else None
-    # the sampler's own mesh: its copies in its compute dtype (the LoRA adapters as trained: merged there)
-    sync_dtype = sampling_loop.sync_dtype(model_cfg) if sampler_mesh is not None else None
-    if staleness:  # the versions that sample the batches in flight (pipeline.checkpoint_versions)
-        held = target["params"] if sync_dtype is None else jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, sync_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-                                           sharding=x.sharding), target["params"])
-        target["sampler_params"] = (held,) * staleness
-    restored = resume.restore_from(config, ckpt, target)
-    ref_params = None
-    if run.use_reference:  # frozen: never donated; with LoRA the base itself, adapters off (no copy)
-        ref_params = lora.adapters_off(policy.params) if model_cfg.lora_rank else policy.params
-    if restored is None:
-        start_step, key = 0, jax.random.key(config.seed)
-        params = copy_tree(policy.params) if ref_params is not None and not model_cfg.lora_rank else policy.params
-        opt_state = algos.init_opt_state(run.optimizer, model_cfg, params, mesh)
-    else:
-        start_step, state, meta = restored
-        params, opt_state, key = state["params"], state["opt_state"], jax.random.wrap_key_data(state["rng"])
-        if model_cfg.lora_rank:  # the checkpoint's adapters on the folder's base (its hash checked at start-up)
-            params = lora.combine(lora.split(policy.params)[0], params)
-        iterator.load_state_dict(meta["data"])
-        log.info("resumed from %s/%d", ckpt.directory, start_step)
-    policy.params = None  # the trainer owns params from here (donated each step)
-    if jax.process_index() == 0:
-        folder.fetch()  # a bucket's records, as the run that wrote them left them
-    for name in ("metrics.jsonl", "eval.jsonl"):  # the steps after the checkpoint are written again
-        moved = trim_jsonl(run_dir / name, start_step if restored is not None else -1)
-        if moved:
-            log.warning("%d records of %s after step %d moved to %s.replaced: this run writes those steps again",
-                        moved, run_dir / name, start_step, name)
+    # ---- building ----
 
-    diagnose_every = config.train.diagnostics_every
-    grad_norms_fn = algos.make_quartile_grad_norms(train_step) if diagnose_every else None
-    reward_fn = load_reward_fn(config.reward.fn or None)
-    evaluator = Evaluator(config, run, tokenizer, test_sets, reward_fn)
-    writer = MetricsWriter(run_dir, loggers=config.train.loggers, config=json.loads(config.to_json_best_effort()))
-    preempted = PreemptionFlag()
-    timer = Timer()
-    n = config.rollout.n
-    collect = Collector(config, run.sampler, run.sampling(), reward_fn, tokenizer, mesh, timer)
-    history = {"before": None, "after": None, "reward": [], "eval_settings": evaluator.settings}
-    loop = None
-    if staleness or sampler_mesh is not None:  # the sampler's own collector and timer: its jobs may run in a thread
-        sampler_timer = Timer()
-        trained_now, frozen = lora.trainable(model_cfg, params)
+    def _restore(self, policy) -> None:
+        """The trained state: a checkpoint's (``resume``) or the folder's weights with fresh AdamW
+        state; the frozen reference policy (the KL term) beside it."""
+        config, model_cfg, run = self.config, self.model_cfg, self.run
+        target = resume.saved_state(model_cfg, run.state)
+        self.sync_dtype = sampling_loop.sync_dtype(model_cfg) if self.sampler_mesh is not None else None
+        if self.k:  # the versions that sample the batches in flight (pipeline.checkpoint_versions)
+            held = target["params"] if self.sync_dtype is None else jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, self.sync_dtype if jnp.issubdtype(x.dtype, jnp.floating)
+                                               else x.dtype, sharding=x.sharding), target["params"])
+            target["sampler_params"] = (held,) * self.k
+        self.restored = resume.restore_from(config, self.ckpt, target)
+        self.ref_params = None
+        if run.use_reference:  # frozen: never donated; with LoRA the base itself, adapters off (no copy)
+            self.ref_params = lora.adapters_off(policy.params) if model_cfg.lora_rank else policy.params
+        if self.restored is None:
+            self.start_step, self.key = 0, jax.random.key(config.seed)
+            self.params = (copy_tree(policy.params) if self.ref_params is not None and not model_cfg.lora_rank
+                           else policy.params)
+            self.opt_state = algos.init_opt_state(run.optimizer, model_cfg, self.params, run.mesh)
+        else:
+            self.start_step, state, meta = self.restored
+            self.params, self.opt_state = state["params"], state["opt_state"]
+            self.key = jax.random.wrap_key_data(state["rng"])
+            if model_cfg.lora_rank:  # the checkpoint's adapters on the folder's base (its hash checked at start-up)
+                self.params = lora.combine(lora.split(policy.params)[0], self.params)
+            self.inputs.iterator.load_state_dict(meta["data"])
+            log.info("resumed from %s/%d", self.ckpt.directory, self.start_step)
+        policy.params = None  # the trainer owns params from here (donated each step)
+
+    def _sampling_loop(self, reward_fn) -> sampling_loop.Pipeline:
+        """The sampling loop (``rl/pipeline.py``), its copies of the versions in flight made or restored."""
+        config, run = self.config, self.run
+        timer = Timer()  # the sampler's own: paused while the main thread works for the update
+        trained, frozen = lora.trainable(self.model_cfg, self.params)
         shardings = None
-        if sampler_mesh is not None:  # the trained part's shardings there; a LoRA base copied there once
-            shardings, frozen_shardings = lora.trainable(model_cfg, param_shardings(model_cfg, sampler_mesh))
+        if self.sampler_mesh is not None:  # the trained part's shardings there; a LoRA base copied there once
+            shardings, frozen_shardings = lora.trainable(self.model_cfg, param_shardings(self.model_cfg,
+                                                                                         self.sampler_mesh))
             frozen = shd.transfer(frozen, frozen_shardings)
-        loop = sampling_loop.Pipeline(
-            Collector(config, run.rollout_sampler, run.sampling(), reward_fn, tokenizer, mesh, sampler_timer),
-            sampler_timer, iterator, key, staleness, steps, frozen=frozen,
-            background=sampling_loop.in_thread(jax.process_count(), sampler_mesh), shardings=shardings,
-            dtype=sync_dtype)
-        closing.append(loop.close)
-        if restored is None or not staleness:  # the version that samples the first batch
-            loop.snapshot(start_step, trained_now)
+        collect = Collector(config, run.rollout_sampler, run.sampling(), reward_fn, self.tokenizer, run.mesh, timer)
+        loop = sampling_loop.Pipeline(collect, timer, self.inputs.iterator, self.key, self.k, self.steps,
+                                      frozen=frozen, shardings=shardings, dtype=self.sync_dtype)
+        if self.restored is None or not self.k:  # the version that samples the first batch
+            loop.snapshot(self.start_step, trained)
         else:
-            for version, trained in zip(sampling_loop.checkpoint_versions(start_step, staleness),
-                                        restored[1]["sampler_params"]):
-                loop.adopt(version, trained)
-    own = {}  # the rollouts' programs on the sampler's own mesh: for its copy and its key
-    if sampler_mesh is not None:
-        own = {"rollout_params": lora.whole(loop.snapshots[sampling_loop.sampling_version(start_step, staleness)]
-                                            .params, loop.frozen),
-               "rollout_key": jax.random.fold_in(loop.key, start_step)}
-    warm_up.compile_rollouts(run, evaluator, params, jax.random.fold_in(key, start_step), **own)  # before step 1
-    if loop is not None:
-        loop.start(start_step)
+            for version, copy in zip(sampling_loop.checkpoint_versions(self.start_step, self.k),
+                                     self.restored[1]["sampler_params"]):
+                loop.adopt(version, copy)
+        return loop
 
-    def evaluate(step):
-        with timer("eval"):
-            generations = run_dir / "generations" / f"step_{step}" if config.train.save_generations else None
-            results = evaluator.run(params, jax.random.fold_in(key, 10**9 + step), generations)
-        writer.scalars(step, results)
-        append_jsonl(run_dir / "eval.jsonl", {"step": step, **evaluator.settings, **results})
-        return results
+    # ---- the run ----
 
-    saved = {"step": start_step, "time": time.monotonic()}
-
-    def save(step, eval_pending=False, data_state=None, stopping=False):
-        """Checkpoint ``step`` (asynchronous; waited for when ``stopping``), after the records up to
-        it reach a bucket's run folder. ``eval_pending``: the step's evaluation is left to the
-        resumed run; ``data_state``: the data position (default: the iterator's now)."""
+    def train(self) -> dict:
+        config, loop = self.config, self.loop
+        own = {}  # the rollouts' programs on the sampler's own mesh: for its copy and its key
+        if self.sampler_mesh is not None:
+            first = loop.snapshots[sampling_loop.sampling_version(self.start_step, self.k)]
+            own = {"rollout_params": lora.whole(first.params, loop.frozen),
+                   "rollout_key": jax.random.fold_in(loop.key, self.start_step)}
+        warm_up.compile_rollouts(self.run, self.evaluator, self.params, jax.random.fold_in(self.key, self.start_step),
+                                 **own)  # before step 1
+        loop.start(self.start_step)
         if jax.process_index() == 0:
-            writer.flush()
-            folder.sync()
-        state = {"params": params, "opt_state": opt_state, "rng": dist.replicated(jax.random.key_data(key), mesh)}
-        if staleness:  # with the trained part of the versions that sample the batches in flight
-            state["sampler_params"] = loop.checkpoint_params(step)
-        began = time.monotonic()
-        ckpt.save(step, resume.saved_state(model_cfg, state),
-                  resume.checkpoint_record(config, step, iterator.state_dict() if data_state is None else data_state,
-                                           model_path, inputs.base_sha256, eval_pending))
-        if stopping:  # inside the grace period: the save is complete before the process exits
-            ckpt.wait()
-            saved["seconds"] = time.monotonic() - began
-        saved.update(step=step, time=time.monotonic(), began=began)
+            self.folder.fetch()  # a bucket's records, as the run that wrote them left them
+        for name in ("metrics.jsonl", "eval.jsonl"):  # the steps after the checkpoint are written again
+            moved = trim_jsonl(self.rundir / name, self.start_step if self.restored is not None else -1)
+            if moved:
+                log.warning("%d records of %s after step %d moved to %s.replaced: this run writes those steps again",
+                            moved, self.rundir / name, self.start_step, name)
+        self.writer = MetricsWriter(self.rundir, loggers=config.train.loggers,
+                                    config=json.loads(config.to_json_best_effort()))
+        test_sets = self.inputs.test_sets
+        if test_sets and config.train.eval_before and self.start_step == 0:
+            self.history["before"] = self.evaluate(0)
+            log.info("before training:\n%s", format_table(self.history["before"], self.evaluator.settings))
+        elif test_sets and self.restored is not None and self.restored[2].get("eval_pending"):  # saved on a stop
+            self.history["after"] = self.evaluate(self.start_step)
 
-    def stopped_at(step):
-        seconds = saved.get("seconds")
-        log.warning("received %s: checkpoint %d saved%s, exiting (exit code %d: resume me)",
-                    preempted.signal_name or "a stop signal on another process", step,
-                    "" if seconds is None else f" in {seconds:.1f} s (train.grace_s={config.train.grace_s:g}"
-                    + (": over it" if seconds > config.train.grace_s else "") + ")", STOPPED_EXIT_CODE)
+        from tqdm.auto import tqdm
 
-    def stop_now(step, data_state) -> bool:
-        """Whether any process has a stop signal (every process asks at the same points, so all stop
-        at the same step); if so, checkpoint ``step`` unless it is saved already."""
-        if not dist.any_process(bool(preempted)):
-            return False
-        if saved["step"] < step:
-            save(step, data_state=data_state, stopping=True)
-        elif "began" in saved:  # saved at this step's end, perhaps still being written: the exit waits for it
-            ckpt.wait()
-            saved["seconds"] = time.monotonic() - saved["began"]
-        stopped_at(step)
-        return True
+        bar = tqdm(range(self.start_step, self.steps), initial=self.start_step, total=self.steps, desc="rl",
+                   disable=jax.process_index() != 0)
+        stopped = False
+        try:
+            for step in bar:
+                stopped = self.step(step)
+                bar.set_postfix(reward=f"{self.last['reward/mean']:.3f}", acc=f"{self.last['acc/all']:.3f}")
+                if stopped:
+                    break
+        finally:
+            loop.close()
+        return self.finish(stopped)
 
-    if test_sets and config.train.eval_before and start_step == 0:
-        history["before"] = evaluate(0)
-        log.info("before training:\n%s", format_table(history["before"], evaluator.settings))
-    elif test_sets and restored is not None and restored[2].get("eval_pending"):  # saved on a stop signal
-        history["after"] = evaluate(start_step)
+    def step(self, step: int) -> bool:
+        """One RL step (the module docstring's 1-6); True when a stop signal ended the run here."""
+        config, loop, began = self.config, self.loop, time.perf_counter()
+        # 1-2. this step's batch (sampled k versions ago, or now at k = 0); version `step` to the sampler
+        loop.advance(step, lora.trainable(self.model_cfg, self.params)[0])
+        sampled = loop.take(step)
+        if self.stop_now(step, sampled.data_before):  # before the update: the stop's save comes sooner
+            return True
+        # 3. the update and the sampler's batch k steps ahead, in turns; then the update's results
+        diagnose = bool(config.train.diagnostics_every) and step % config.train.diagnostics_every == 0
+        update = Task("update", self.updater.steps(self.params, self.opt_state, sampled.step_batch, step, diagnose),
+                      self.timer)
+        run_together(update, loop.ahead(step))
+        self.timer.resume()
+        done = update.value
+        self.params, self.opt_state = done.params, done.opt_state
+        update_metrics = done.finish(self.updater)
+        # 4. the step's weight copy and the sampler / trainer gap checked (one error line each)
+        loop.verify(step, self.leaf_names)
+        self.check_mismatch(step, update_metrics)
+        loop.release(step + 1)  # the copies no batch in flight or checkpoint of step + 1 needs
+        # 5. records
+        self.record(step, sampled, done, update_metrics, time.perf_counter() - began)
+        if step == self.start_step:  # the first step (and the evaluation before it) compiled the run's programs
+            self.history["warm"] = self.compile_log.programs
+            self.compile_log.warm()
+        # 6. evaluation, then the checkpoint (asynchronous): evaluating first, a checkpoint's evaluation is
+        # recorded before it exists, so a crash mid-evaluation resumes from the checkpoint before
+        finished = step + 1
+        stop = dist.any_process(bool(self.preempted))  # every host saves the same step
+        due = bool(self.inputs.test_sets) and (finished % config.train.eval_every == 0 or finished == self.steps)
+        if due and not stop:
+            self.history["after"] = self.evaluate(finished)
+            due = False  # done: not left to a resumed run
+            stop = dist.any_process(bool(self.preempted))  # an evaluation can be long: asked again after it
+        every_s = config.train.save_every_s  # a checkpoint every so many seconds too (the hosts agree)
+        timely = bool(every_s) and dist.any_process(time.monotonic() - self.saved["time"] >= every_s)
+        if finished % config.train.save_every == 0 or finished == self.steps or timely or stop:
+            self.save(finished, eval_pending=due and stop, data_state=sampled.data_after, stopping=stop)
+        if stop:
+            self.stopped_at(finished)
+        return stop
 
-    from tqdm.auto import tqdm
+    def check_mismatch(self, step: int, metrics: dict) -> None:
+        """MismatchError where the sampler's log-probs of the batch are farther from pi_old than
+        ``rollout.max_kl``: a decode that computes wrong log-probs shows there first."""
+        bound, kl = self.config.rollout.max_kl, metrics.get("offpolicy/kl_k3")
+        if bound and kl is not None and not kl <= bound:
+            raise MismatchError(f"step {step}: the sampler's log-probs of its batch are {kl:.4g} (KL, k3 estimate "
+                                f"per token) from the trainer's pi_old, above rollout.max_kl={bound:g}: the sampler "
+                                "computes other log-probs than the trainer (a wrong decode, or weights it did not "
+                                "receive), or the policy moved further in max_staleness steps than the bound allows")
 
-    bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="rl", disable=jax.process_index() != 0)
-    stopped = False
-    for step in bar:
-        step_began = time.perf_counter()
-        # 1-2. sample G responses per prompt with the current policy (each process its block of
-        # the prompts) and score them on host; with filter_groups, more rounds replace zero-advantage
-        # groups. The global batch then goes to every process's host (the update packs it there).
-        # With max_staleness k >= 1 the sampling loop made this step's batch with version step - k,
-        # and is handed this version now for batch step + k.
+    def record(self, step: int, sampled, done, update_metrics: dict, seconds_so_far: float) -> None:
+        """The step's scalars, the pi_old histogram and a sample to the trackers (recorded at step + 1)."""
+        config, run, batch = self.config, self.run, done.batch
+        step_batch = sampled.step_batch
+        seconds = self.timer.pop()
+        for phase, value in sampled.timings.items():  # the sampler's phases on this batch (rollout, reward)
+            seconds[phase] = seconds.get(phase, 0.0) + value
         schedule = {}
-        if loop is None:
-            step_key = jax.random.fold_in(key, step)
-            data_before = iterator.state_dict()  # where a checkpoint of this step's start resumes the data
-            sampled = collect(params, iterator, step_key)
-            data_after = None  # the iterator's own position
-        else:
-            loop.advance(step, lora.trainable(model_cfg, params)[0])
-            scheduled, waited = loop.take(step)
-            sampled, data_before, data_after = scheduled.step_batch, scheduled.data_before, scheduled.data_after
-            for phase, seconds in scheduled.timings.items():
-                timer.seconds[phase] = timer.seconds.get(phase, 0.0) + seconds
-            schedule = {"sampler/version": float(scheduled.version), "sampler/lag": float(step - scheduled.version),
-                        "time/sampler_busy": scheduled.busy_s, "time/sampler_wait": scheduled.wait_s,
-                        "time/trainer_wait": waited}
-            if sampler_mesh is not None:  # this step's weight sync (version step, at advance)
-                schedule.update({"time/weight_sync": loop.synced["seconds"],
-                                 "sync/bytes": float(loop.synced["bytes"])})
-        if stop_now(step, data_before):  # before the update: the stop's save comes sooner
-            stopped = True
-            break
-        batch = {k: dist.to_host(v) for k, v in sampled.batch.items()}
-        rewards, group_ids = dist.to_host(sampled.rewards), dist.to_host(sampled.group_ids)
-        behaviour = batch["old_logprobs"]  # the sampler's log-probs
-        entropies = None  # pi_old's, for the high-entropy selection (algo.entropy_top_fraction)
-        if run.weight_cfg.entropy_top_fraction:
-            old, entropies = run.logprobs(params, batch, with_entropy=True)
-            if recompute:
-                batch["old_logprobs"] = old
-        elif recompute:
-            batch["old_logprobs"] = run.logprobs(params, batch)
-        # 3-4. advantages, token weights (AR / TR, the entropy selection) and the Lopti split, as update
-        # passes: all read pi_old; then the off-policy correction of the policy-gradient term
-        passes = algos.prepare_updates(run.adv_cfg, run.weight_cfg, run.lopti_cfg, rewards, group_ids,
-                                       batch["response_mask"], batch["old_logprobs"], entropies)
-        offpolicy = {}
-        if recompute:
-            offpolicy = algos.mismatch_metrics(correction, batch["old_logprobs"], behaviour, batch["response_mask"])
-            if correction.enabled:
-                passes = algos.correct_passes(passes, algos.correction_weights(
-                    correction, batch["old_logprobs"], behaviour, batch["response_mask"]))
-        if run.use_reference:
-            batch["ref_logprobs"] = run.logprobs(ref_params, batch)
-        diagnostics = {}
-        if diagnose_every and step % diagnose_every == 0:  # the paper's Figure 1, before the update
-            with timer("diagnostics"):
-                rows = config.train.get("diagnostics_rows", 0)  # 0: the first mini-batch; -1: every row
-                rows = config.train.mini_batch if rows == 0 else len(batch["input_ids"]) if rows < 0 else rows
-                diagnostics = algos.quartile_grad_norm_metrics(grad_norms_fn, params, batch, passes, rows)
-                if step == 0 and config.train.isolation_experiment:  # and once, on the first batch
-                    diagnostics.update(isolation_metrics(run, params, batch, passes))
-        # 5. policy update(s): one pass, or Lopti's low- then high-probability pass, train.ppo_epochs
-        # times over the batch (pi_old the sampler's throughout)
-        mark = len(train_step.processed)
+        if self.k or self.sampler_mesh is not None:
+            schedule = {"sampler/version": float(sampled.version), "sampler/lag": float(step - sampled.version),
+                        "time/sampler_busy": sampled.busy_s, "time/sampler_span": sampled.span_s}
+        if self.sampler_mesh is not None:  # this step's weight sync (version step, at advance)
+            schedule.update({"time/weight_sync": self.loop.synced["seconds"],
+                             "sync/bytes": float(self.loop.synced["bytes"])})
+        generated = int(step_batch.lengths.sum())
         epochs = config.train.ppo_epochs
-        with timer("update"):
-            params, opt_state, pass_metrics = algos.update_on_batch(
-                train_step, params, opt_state, batch, passes, config.train.mini_batch, epochs=epochs)
-        if loop is not None:
-            loop.release(step + 1)  # the copies no batch in flight or checkpoint of step + 1 needs
-        # 6. metrics
-        seconds = timer.pop()
-        generated = int(sampled.lengths.sum())
-        trained = int(batch["attention_mask"].sum()) * len(passes) * epochs
-        packed = train_step.processed_since(mark)  # what the passes forwarded: a shared prompt once per row
-        metrics = {**rollout_metrics(sampled.rows, sampled.scores, sampled.correct, sampled.lengths,
-                                     sampled.truncated, n),
-                   **sampled.stats, **diagnostics, **schedule, **offpolicy,
-                   **update_metrics(pass_metrics, run.lopti_cfg, epochs),
-                   **quartile_metrics(batch, sum(dist.to_host(a) for a, _ in passes)),
+        trained = int(batch["attention_mask"].sum()) * len(done.passes) * epochs
+        packed = run.train_step.processed_since(done.mark)  # what the passes forwarded: a shared prompt once per row
+        compiled = self.compile_log.programs - self.compiled_before[0]
+        metrics = {**rollout_metrics(step_batch.rows, step_batch.scores, step_batch.correct, step_batch.lengths,
+                                     step_batch.truncated, config.rollout.n),
+                   **step_batch.stats, **schedule, **update_metrics,
                    **{f"time/{k}": v for k, v in seconds.items()},
-                   "throughput/rollout_tokens_per_s": generated / max(seconds["rollout"], 1e-9),
-                   "throughput/train_tokens_per_s": trained / max(seconds["update"], 1e-9),
+                   "throughput/rollout_tokens_per_s": generated / max(seconds.get("rollout", 0.0), 1e-9),
+                   "throughput/train_tokens_per_s": trained / max(seconds.get("update", 0.0), 1e-9),
                    "throughput/update_padding": packed.padding,
                    "update/forwarded_tokens": float(packed.real_tokens),
                    # every program this run has compiled (or loaded from the persistent cache) so far:
                    # a shape not seen before compiles inside its phase's time
-                   "compile/programs": float(compile_log.programs - compiled_before[0]),
-                   "compile/seconds": compile_log.seconds - compiled_before[1],
-                   "train/epoch": iterator.epoch if data_after is None else data_after["epoch"]}
-        metrics["time/step"] = time.perf_counter() - step_began  # the step's wall time, its records aside
-        util = mfu(model_cfg.num_params(), packed.real_tokens, seconds["update"])
+                   "compile/programs": float(compiled),
+                   "compile/seconds": self.compile_log.seconds - self.compiled_before[1],
+                   "train/epoch": sampled.data_after["epoch"]}
+        metrics["time/step"] = seconds_so_far  # the step's wall time, its records aside
+        util = mfu(self.model_cfg.num_params(), packed.real_tokens, seconds.get("update", 0.0))
         if util is not None:
             metrics["throughput/train_mfu"] = util
+        writer = self.writer
         writer.scalars(step + 1, metrics)
         valid = batch["response_mask"].astype(bool)
         writer.histogram(step + 1, "pi_old", np.exp(batch["old_logprobs"][valid]))
         if step % config.train.samples_every == 0:
-            writer.text(step + 1, "samples", f"reward {sampled.sample_score:.2f}\n\n```\n{sampled.sample_text}\n```")
-        history["reward"].append(float(sampled.scores.mean()))
-        if step == start_step:  # the first step (and the evaluation before it) compiled the run's programs
-            history["warm"] = compile_log.programs
-            compile_log.warm()
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['acc/all']:.3f}")
-        # 7. evaluation, 8. checkpoint (asynchronous): evaluating first, a checkpoint's evaluation is
-        # recorded before it exists, so a crash mid-evaluation resumes from the checkpoint before
-        done = step + 1
-        stop = dist.any_process(bool(preempted))  # every host saves the same step
-        due = bool(test_sets) and (done % config.train.eval_every == 0 or done == steps)
-        if due and not stop:
-            history["after"] = evaluate(done)
-            due = False  # done: not left to a resumed run
-            stop = dist.any_process(bool(preempted))  # an evaluation can be long: asked again after it
-        every_s = config.train.save_every_s  # a checkpoint every so many seconds too (the hosts agree)
-        timely = bool(every_s) and dist.any_process(time.monotonic() - saved["time"] >= every_s)
-        if done % config.train.save_every == 0 or done == steps or timely or stop:
-            save(done, eval_pending=due and stop, data_state=data_after, stopping=stop)
-        if stop:
-            stopped_at(done)
-            stopped = True
-            break
+            writer.text(step + 1, "samples", f"reward {step_batch.sample_score:.2f}\n\n```\n"
+                                             f"{step_batch.sample_text}\n```")
+        self.history["reward"].append(float(step_batch.scores.mean()))
+        self.last = metrics
 
-    ckpt.close()
-    preempted.close(stopping=stopped)
-    finished = not stopped
-    history["compile"] = (compile_log.programs - compiled_before[0], compile_log.seconds - compiled_before[1],
-                          compile_log.programs - history.get("warm", compile_log.programs))
-    compile_log.warm(False)  # training is over: the export's programs (a LoRA merge) are not late compiles
-    export_dir = None
-    if finished and config.train.export_at_end:
-        export_dir = save_pretrained(*lora.plain(model_cfg, params), run_dir / "export", tokenizer_dir=model_path)
-        if folder.remote is not None:
-            export_dir = folder.remote / "export"  # copied up with the records below
-    summary = summarize(config, history, started, export_dir, preempted=not finished,
-                        chance=chance_levels(test_sets))
-    writer.summary(start_step + len(history["reward"]), summary["text"], summary["scalars"])
-    writer.close()
-    if jax.process_index() == 0:
-        folder.sync()  # the last steps' records, TensorBoard's events and the export, to a bucket's run folder
-    dist.barrier("arlopti_end")  # the other processes leave once process 0 has written everything
-    return summary
+    def evaluate(self, step: int) -> dict:
+        config = self.config
+        with self.timer("eval"):
+            generations = self.rundir / "generations" / f"step_{step}" if config.train.save_generations else None
+            results = self.evaluator.run(self.params, jax.random.fold_in(self.key, 10**9 + step), generations)
+        self.writer.scalars(step, results)
+        append_jsonl(self.rundir / "eval.jsonl", {"step": step, **self.evaluator.settings, **results})
+        return results
 
+    # ---- checkpoints and stop signals ----
 
-def isolation_metrics(run: run_setup.Run, params, batch, passes) -> dict:
-    """``isolation/{low,high}_q{1..4}``: the change of each pi_old quartile's mean probability
-    after one optimizer step (fresh AdamW state at the configured peak learning rate: a
-    schedule's first step may be 0) on only the lowest (low) or only the highest (high)
-    quartile's tokens of ``batch``, with the step's full weighted advantages."""
-    peak = dataclasses.replace(run_setup.optim_config(run.config, run.total_steps), schedule="constant",
-                               warmup_steps=0)
-    optimizer = algos.make_optimizer(peak)
-    step = algos.make_train_step(run.model_cfg, run.loss_cfg, optimizer, run.mesh,
-                                 tokens_per_device=run.tokens_per_device, chunk_size=run.config.model.logprob_chunk,
-                                 shared_prefix=run.train_step.shared_prefix)
-    full = {**batch, "advantages": sum(dist.to_host(a) for a, _ in passes)}
-    change = algos.isolation_experiment(
-        step, run.logprobs, lambda p: algos.init_opt_state(optimizer, run.model_cfg, p, run.mesh), params, full)
-    return {f"isolation/{case}_q{q + 1}": float(change[i, q]) for i, case in enumerate(("low", "high"))
-            for q in range(4)}
+    def save(self, step: int, eval_pending: bool = False, data_state=None, stopping: bool = False) -> None:
+        """Checkpoint ``step`` (asynchronous; waited for when ``stopping``), after the records up to
+        it reach a bucket's run folder. ``eval_pending``: the step's evaluation is left to the
+        resumed run; ``data_state``: the data position (default: the iterator's now)."""
+        config, iterator = self.config, self.inputs.iterator
+        if jax.process_index() == 0:
+            self.writer.flush()
+            self.folder.sync()
+        state = {"params": self.params, "opt_state": self.opt_state,
+                 "rng": dist.replicated(jax.random.key_data(self.key), self.run.mesh)}
+        if self.k:  # with the trained part of the versions that sample the batches in flight
+            state["sampler_params"] = self.loop.checkpoint_params(step)
+        began = time.monotonic()
+        data = iterator.state_dict() if data_state is None else data_state
+        self.ckpt.save(step, resume.saved_state(self.model_cfg, state),
+                       resume.checkpoint_record(config, step, data, self.inputs.model_path, self.inputs.base_sha256,
+                                                eval_pending))
+        if stopping:  # inside the grace period: the save is complete before the process exits
+            self.ckpt.wait()
+            self.saved["seconds"] = time.monotonic() - began
+        self.saved.update(step=step, time=time.monotonic(), began=began)
 
+    def stopped_at(self, step: int) -> None:
+        seconds = self.saved.get("seconds")
+        grace = self.config.train.grace_s
+        log.warning("received %s: checkpoint %d saved%s, exiting (exit code %d: resume me)",
+                    self.preempted.signal_name or "a stop signal on another process", step,
+                    "" if seconds is None else f" in {seconds:.1f} s (train.grace_s={grace:g}"
+                    + (": over it" if seconds > grace else "") + ")", STOPPED_EXIT_CODE)
 
-def chance_levels(test_sets: dict) -> dict[str, float | None]:
-    """Per test set, the accuracy of guessing (mean over its rows; None where a row's data
-    source does not define one)."""
-    out = {}
-    for name, data in test_sets.items():
-        levels = [guess_accuracy(r["data_source"]) for r in data.rows]
-        out[name] = float(np.mean(levels)) if levels and None not in levels else None
-    return out
+    def stop_now(self, step: int, data_state) -> bool:
+        """Whether any process has a stop signal (every process asks at the same points, so all stop
+        at the same step); if so, checkpoint ``step`` unless it is saved already."""
+        if not dist.any_process(bool(self.preempted)):
+            return False
+        if self.saved["step"] < step:
+            self.save(step, data_state=data_state, stopping=True)
+        elif "began" in self.saved:  # saved at this step's end, perhaps still being written: the exit waits for it
+            self.ckpt.wait()
+            self.saved["seconds"] = time.monotonic() - self.saved["began"]
+        self.stopped_at(step)
+        return True
 
-
-def reward_trend(rewards: list[float]) -> tuple[float, float, float] | None:
-    """(first-quarter mean, last-quarter mean, their difference in standard errors of the
-    difference) of the per-step training reward; None with fewer than 8 steps."""
-    k = len(rewards) // 4
-    if k < 2:
-        return None
-    first, last = np.asarray(rewards[:k]), np.asarray(rewards[-k:])
-    se = np.sqrt(first.var(ddof=1) / k + last.var(ddof=1) / k)
-    return float(first.mean()), float(last.mean()), float((last.mean() - first.mean()) / se) if se > 0 else 0.0
-
-
-def summarize(config, history, started, export_dir, preempted, chance: dict | None = None) -> dict:
-    minutes = (time.time() - started) / 60
-    lines = ["", "=" * 72, f"arlopti_jax: {'stopped (preempted)' if preempted else 'finished'} in {minutes:.1f} min",
-             f"run folder: {config.run_dir}   tensorboard --logdir {config.run_dir}"]
-    rewards = history["reward"]
-    trend = reward_trend(rewards)
-    if trend:
-        lines.append(f"train reward: first quarter {trend[0]:.3f} -> last quarter {trend[1]:.3f} "
-                     f"({trend[2]:+.1f} standard errors, {len(rewards)} steps)")
-    elif rewards:
-        lines.append(f"train reward: mean {np.mean(rewards):.3f} over {len(rewards)} steps")
-    before, after = history["before"], history["after"]
-    if before and after:
-        lines.append("evaluation before -> after:")
-        lines.append(compare_table(before, after, history["eval_settings"], chance))
-    elif after:
-        lines.append(format_table(after, history["eval_settings"]))
-    if "compile" in history:
-        programs, seconds, late = history["compile"]
-        lines.append(f"compiled: {programs} programs in {seconds:.1f} s, {late} of them after the first step"
-                     + (" (each logged as a warning)" if late else ""))
-    if export_dir:
-        lines.append(f"exported policy: {export_dir}")
-    lines.append("=" * 72)
-    if jax.process_index() == 0:
-        print("\n".join(lines))
-    scalars = {"summary/minutes": minutes, "summary/steps": float(len(rewards)), "summary/preempted": float(preempted),
-               **{f"summary/{k}": v for k, v in (after or {}).items()}}
-    if trend:
-        scalars.update(zip(("summary/reward_first_quarter", "summary/reward_last_quarter", "summary/reward_trend_se"),
-                           trend))
-    if "compile" in history:
-        scalars.update(zip(("summary/compiled_programs", "summary/compile_seconds", "summary/late_compiles"),
-                           map(float, history["compile"])))
-    return {"minutes": minutes, "before": before, "after": after, "rewards": rewards, "preempted": preempted,
-            "reward_trend": trend, "chance": chance, "compile": history.get("compile"),
-            "text": "\n".join(lines).strip("\n="), "scalars": scalars}
+    def finish(self, stopped: bool) -> dict:
+        """The run's end: the checkpoints written, the export, the summary, the records synced."""
+        config, history, compile_log = self.config, self.history, self.compile_log
+        self.ckpt.close()
+        self.preempted.close(stopping=stopped)
+        history["compile"] = (compile_log.programs - self.compiled_before[0],
+                              compile_log.seconds - self.compiled_before[1],
+                              compile_log.programs - history.get("warm", compile_log.programs))
+        compile_log.warm(False)  # training is over: the export's programs (a LoRA merge) are not late compiles
+        export_dir = None
+        if not stopped and config.train.export_at_end:
+            export_dir = save_pretrained(*lora.plain(self.model_cfg, self.params), self.rundir / "export",
+                                         tokenizer_dir=self.inputs.model_path)
+            if self.folder.remote is not None:
+                export_dir = self.folder.remote / "export"  # copied up with the records below
+        summary = summarize(config, history, self.started, export_dir, preempted=stopped,
+                            chance=chance_levels(self.inputs.test_sets))
+        self.writer.summary(self.start_step + len(history["reward"]), summary["text"], summary["scalars"])
+        self.writer.close()
+        if jax.process_index() == 0:
+            self.folder.sync()  # the last steps' records, TensorBoard's events and the export, to a bucket's run folder
+        dist.barrier("arlopti_end")  # the other processes leave once process 0 has written everything
+        return summary

@@ -133,6 +133,15 @@ class PromptBatch:
 
 
 
+def drain(steps):
+    """Run a generator of ``decode_steps``' kind to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def _half(rows: int) -> int:
     """The row bucket below ``rows``: the largest power of two < rows (1 for 1)."""
     return 1 << max(0, (rows - 1).bit_length() - 1)
@@ -384,6 +393,12 @@ class Sampler:
     def decode(self, params, state: DecodeState, key: Array, sampling: SamplingConfig) -> Decoded:
         """Run the decode loops to the end (``state`` is donated): one loop over the whole
         batch and cache when not ``sampling.length_aware``, else phases and compaction."""
+        return drain(self.decode_steps(params, state, key, sampling))
+
+    def decode_steps(self, params, state: DecodeState, key: Array, sampling: SamplingConfig):
+        """``decode`` as a generator: it yields after dispatching each decode loop, before the host
+        reads that loop's two numbers (the only wait), so that the caller can dispatch other programs
+        meanwhile (``rl/pipeline.py``, ``run_together``); it returns the ``Decoded``."""
         temperature, top_p, eos, greedy = self._traced_settings(sampling)
         ends = sampling.phase_ends()
         phase, out, loops = 0, None, []
@@ -396,6 +411,7 @@ class Sampler:
                 compact_at = np.int32(_half(rows) if compacts else 0)
                 state, status = self._decode(params, state, key, temperature, top_p, eos, compact_at,
                                              kernel=sampling.kernel_key, greedy=greedy)
+                yield  # the loop is dispatched; its status is read next
                 step, busiest = (int(v) for v in dist.to_host(status))
                 loops.append((rows, state.kv_mask.shape[1], step))
                 if step >= max_len or busiest == 0:
@@ -505,9 +521,16 @@ class Sampler:
         responses are the same, and calls with varying prompt counts up to ``pad_to`` share one
         prompt-count bucket, one set of compiled programs (evaluation's last chunk of a test set).
         """
+        return drain(self.generate_steps(params, prompts, n, key, sampling, stop_at, pad_to))
+
+    def generate_steps(self, params, prompts: Sequence[Sequence[int]], n: int, key: Array,
+                       sampling: SamplingConfig, stop_at: np.ndarray | None = None, pad_to: int = 0):
+        """``generate`` as a generator that yields where the host would wait for a decode loop
+        (``decode_steps``) and returns the ``Rollout``."""
         batch = self.pad_prompts(prompts, sampling, pad_to)
         params = self.sampling_params(params)
-        done = self.decode(params, self.start(params, batch, n, key, sampling, stop_at), key, sampling)
+        done = yield from self.decode_steps(params, self.start(params, batch, n, key, sampling, stop_at), key,
+                                            sampling)
         keep = batch.num_prompts * n
         fetch = lambda x: dist.local_rows(x)[:keep]
         response_mask = fetch(done.mask)

@@ -2,8 +2,8 @@
 
 Importing ``arlopti_jax`` or any of its modules changes no environment variable, no ``jax.config``
 value and no file descriptor (``tests/test_package.py`` holds it). A command run as
-``python -m arlopti_jax.X`` calls ``prepare()`` first, before its backend starts, and
-``start_backend()`` once its arguments are read; the start-up line (``chips.describe_devices``) then names every setting
+``python -m arlopti_jax.X`` calls ``prepare()`` first, before it imports JAX, and ``start_backend()``
+once its arguments are read; the start-up line (``chips.describe_devices``) then names every setting
 it chose and every platform JAX could not start. A setting the user made (in ``XLA_FLAGS``) is kept.
 
 What ``prepare`` sets, and why:
@@ -42,9 +42,8 @@ SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
 # Lines the accelerator plugins print from C++ as they start or fail on a machine without their
 # devices (the CUDA plugin's driver probe with absl's banner; libtpu's host probe): what they mean is
-# in the start-up line's "not started" part, so they are taken out of stderr around the backend's
-# start. Every other line is written back. (The CUDA plugin's lines at JAX's import stay: that is
-# JAX's own import, before any command runs.)
+# in the start-up line's "not started" part, so a command takes them out of stderr around JAX's import
+# and its backend's start. Every other line is written back.
 PLUGIN_NOISE = re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers|"
                           r"^WARNING: All log messages before absl::InitializeLog\(\) is called|"
                           r"^WARNING: Logging before InitGoogle\(\) is written to STDERR|"
@@ -76,16 +75,21 @@ def command_flags(environ=None) -> tuple[str, list[str]]:
 
 
 def prepare() -> None:
-    """A command's own settings (the module docstring), in ``os.environ`` before its backend starts
-    (XLA reads ``XLA_FLAGS`` then, not at JAX's import). Commands call it first, before their config
-    file is read (a config may start the backend to choose its defaults); a second call changes
-    nothing."""
-    if SETTINGS:
+    """A command's own settings (the module docstring), in ``os.environ`` before its backend starts,
+    then JAX imported with the plugins' load lines taken out of stderr. A command module calls it
+    first, under ``if __name__ == "__main__":``, before its own imports (which import JAX): importing
+    that module as a library runs none of it. A second call changes nothing."""
+    if SETTINGS or "jax" in sys.modules:
         return
     flags, added = command_flags()
     if added:
         os.environ["XLA_FLAGS"] = flags
         SETTINGS.extend(f"XLA_FLAGS += {line}" for line in added)
+    with plugin_noise_removed():
+        try:
+            import jax  # noqa: F401
+        except Exception:  # an import problem shows itself again at the command's own import
+            pass
 
 
 class _Refusals(logging.Handler):

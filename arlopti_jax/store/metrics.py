@@ -22,18 +22,33 @@ from arlopti_jax.store import trackers
 log = logging.getLogger(__name__)
 
 class Timer:
-    """Accumulates wall time per phase: ``with timer("rollout"): ...``."""
+    """Accumulates wall time per phase: ``with timer("rollout"): ...``. Between ``pause()`` and
+    ``resume()`` the clock of every open phase stops: the sampling loop pauses its timer while the
+    main thread works for the update (``rl/pipeline.py``), so a phase counts the host's seconds on
+    its own work (dispatching, waiting for its own devices, scoring), not the update's."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self._away = 0.0  # seconds spent paused, in all
+        self._paused_at: float | None = None
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, away = time.perf_counter(), self._away
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            spent = time.perf_counter() - start - (self._away - away)
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + spent
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._away += time.perf_counter() - self._paused_at
+            self._paused_at = None
 
     def pop(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from arlopti_jax.algos import AdvantageConfig, LoptiConfig, TokenWeightConfig, prepare_updates, update_on_batch
-from arlopti_jax.rl.loop import update_metrics
+from arlopti_jax.rl.update import update_metrics
 from test_train_step import _adam_state, host, logprobs_fn, max_diff, params_on, rollout, step_for
 
 GRPO = AdvantageConfig("grpo")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from arlopti_jax.tasks.kk import guess_accuracy
-from arlopti_jax.rl.loop import chance_levels, reward_trend
+from arlopti_jax.rl.summary import chance_levels, reward_trend
 
 
 def test_guess_accuracy_from_the_people_count():

@@ -6,14 +6,12 @@ resumed run equals the uninterrupted one."""
 
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from arlopti_jax.rl import pipeline
-from arlopti_jax.rl.pipeline import Pipeline, Snapshot, checkpoint_versions, sampling_version
+from arlopti_jax.rl.pipeline import Pipeline, Snapshot, Task, checkpoint_versions, run_together, sampling_version
 from arlopti_jax.store.metrics import Timer
 from arlopti_jax.train import train
 from run_fixtures import kill_after_checkpoint, make_config, overrides, step_metrics
@@ -40,53 +38,107 @@ def test_schedule_versions_and_checkpoint_slots():
     assert checkpoint_versions(1, 1) == [0] and checkpoint_versions(3, 1) == [2]
 
 
-@pytest.mark.parametrize("background", [True, False])
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_the_sampler_waits_for_its_version_and_drops_nothing(k, background):
-    """A stand-in collector records the trainer's step when each job starts: batch b starts only
-    once step b - k has begun, every batch arrives once and in order, each stamped with the version
-    of the parameters it was given (here the version number itself)."""
-    trainer_step = {"now": -1}
-    started = {}
-    lock = threading.Lock()
+class StandIn:
+    """A collector stand-in: ``steps`` yields once (a decode loop's wait), then returns the batch it
+    drew and the version it was given; ``started`` records the trainer's step when each batch began."""
 
-    def collect(params, iterator, key):
+    def __init__(self, trainer_step):
+        self.trainer_step, self.started = trainer_step, {}
+
+    def steps(self, params, iterator, key):
         batch = next(iterator) - 1
-        with lock:
-            started[batch] = trainer_step["now"]
+        self.started[batch] = self.trainer_step["now"]
+        yield
         return {"batch": batch, "params": int(params)}
 
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_sampler_waits_for_its_version_and_drops_nothing(k):
+    """Batch b starts only once step b - k has begun, every batch arrives once and in order, each
+    stamped with the version of the parameters it was given (here the version number itself), and
+    from the second step on each batch is sampled in turns with the update of the step before it."""
+    trainer_step = {"now": -1}
+    collect = StandIn(trainer_step)
     steps = 8
-    loop = Pipeline(collect, Timer(), Positions(), key=__import__("jax").random.key(0), k=k, steps=steps, frozen={},
-                    background=background)
+    loop = Pipeline(collect, Timer(), Positions(), key=__import__("jax").random.key(0), k=k, steps=steps, frozen={})
     loop._copy = lambda tree: tree  # the versions are plain numbers here: nothing to copy
+    loop._sent_fp = loop._got_fp = lambda tree: np.zeros((1, 2), np.uint32)
     loop.snapshot(0, np.int32(0))
     loop.start(0)
+    turns = []
     for step in range(steps):
         trainer_step["now"] = step
         loop.advance(step, np.int32(step))
-        sampled, waited = loop.take(step)
-        assert sampled.batch == step and sampled.step_batch["batch"] == step and waited >= 0
+        sampled = loop.take(step)
+        assert sampled.batch == step and sampled.step_batch["batch"] == step
         assert sampled.version == sampling_version(step, k) == sampled.step_batch["params"]
         assert sampled.data_before == {"epoch": 0, "index": step} and sampled.data_after["index"] == step + 1
+
+        def update():
+            turns.append(("update", step))
+            yield
+            turns.append(("update done", step))
+
+        run_together(Task("update", update()), loop.ahead(step),
+                     on_turn=lambda task: turns.append(("turn", task.name, trainer_step["now"])))
+        loop.verify(step, ["leaf"])
         loop.release(step + 1)
         assert sorted(loop.snapshots) == sorted(set(checkpoint_versions(step + 1, k)))
     loop.close()
-    assert sorted(started) == list(range(steps))
-    for batch, at in started.items():  # never more than k versions ahead
-        assert at >= batch - k, f"batch {batch} started at trainer step {at} with k={k}"
+    assert sorted(collect.started) == list(range(steps))
+    for batch, at in collect.started.items():  # never more than k versions ahead, and ahead from step 1 on
+        assert batch - k <= at <= max(0, batch - 1), f"batch {batch} started at trainer step {at} with k={k}"
+    for step in range(steps - k):  # the update's first turn, then the sampler's, before the update finishes
+        first = turns.index(("turn", "update", step))
+        assert turns[first + 1:first + 3] == [("update", step), ("turn", "sampler", step)], turns[first:first + 4]
+        assert turns.index(("turn", "sampler", step)) < turns.index(("update done", step))
 
 
 def test_a_batch_of_another_version_is_an_error():
-    loop = Pipeline(lambda params, iterator, key: next(iterator), Timer(), Positions(),
-                    key=__import__("jax").random.key(0), k=1, steps=4, frozen={}, background=False)
+    loop = Pipeline(StandIn({"now": 0}), Timer(), Positions(), key=__import__("jax").random.key(0), k=1, steps=4,
+                    frozen={})
     loop.adopt(0, 0)
     loop.snapshots[0] = Snapshot(1, 0)  # a copy labelled with the wrong version
     loop.start(0)
     with pytest.raises(RuntimeError, match="lag -1, not 0"):
         loop.take(0)
-    with pytest.raises(ValueError, match="max_staleness=0"):
-        Pipeline(None, Timer(), Positions(), key=None, k=0, steps=4, frozen={}, background=True)
+    with pytest.raises(ValueError, match="max_staleness=-1"):
+        Pipeline(None, Timer(), Positions(), key=None, k=-1, steps=4, frozen={})
+
+
+def test_a_copy_that_differs_from_what_was_sent_is_one_error_naming_the_step_and_leaf():
+    """The checksums (``pipeline.fingerprint_program``) are exact: equal for the same bits in any
+    sharding, different for one element changed by one bit or two elements swapped."""
+    import jax
+    import jax.numpy as jnp
+
+    from arlopti_jax.rl.pipeline import SyncError, fingerprint_program
+    from arlopti_jax.runtime import sharding as shd
+
+    mesh = shd.make_mesh({"fsdp": 4}, jax.devices()[:4])
+    other = shd.make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:])
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(8, 6)).astype(np.float32), "b": rng.normal(size=(4,)).astype(jnp.bfloat16)}
+    here = jax.device_put(tree, {"a": shd.NamedSharding(mesh, shd.P("fsdp")), "b": shd.NamedSharding(mesh, shd.P())})
+    there = jax.device_put(tree, {"a": shd.NamedSharding(other, shd.P(None, "tensor")),
+                                  "b": shd.NamedSharding(other, shd.P("data"))})
+    sums = lambda t: np.asarray(fingerprint_program(t)(t))
+    assert (sums(here) == sums(there)).all()
+    flipped = tree["a"].copy()
+    flipped.view(np.uint32)[3, 2] ^= 1  # the last bit of one float
+    swapped = tree["a"].copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    for changed in (flipped, swapped):
+        got = sums({"a": jax.device_put(changed), "b": jax.device_put(tree["b"])})
+        assert (got[0] != sums(here)[0]).any() and (got[1] == sums(here)[1]).all()
+
+    loop = Pipeline(StandIn({"now": 0}), Timer(), Positions(), key=jax.random.key(0), k=1, steps=4, frozen={})
+    loop.snapshot(0, here)
+    loop.verify(0, ["['a']", "['b']"])  # the copy is the trainer's: nothing to say
+    loop.snapshots[0] = Snapshot(0, None, sums(here), sums({"a": jax.device_put(flipped), "b": tree["b"]}))
+    with pytest.raises(SyncError, match=r"step 0: the sampler's copy of policy version 0 .*1 of 2 arrays differ, "
+                                        r"the first \['a'\]"):
+        loop.verify(0, ["['a']", "['b']"])
 
 
 # ---- end to end (slow) ----
@@ -120,34 +172,33 @@ def test_every_update_consumes_the_batch_of_the_version_before(one_step_off):
     assert len(summary["rewards"]) == 4
 
 
+def one_after_another(*tasks, on_turn=None):
+    """``run_together`` without the overlap: each task to its end in turn, the update's programs waited
+    for before the sampler's are dispatched."""
+    import jax
+
+    for task in tasks:
+        if task is None:
+            continue
+        while not task.done:
+            task.turn()
+        if task.name == "update":
+            jax.block_until_ready(task.value.params)
+
+
 @pytest.mark.slow
-def test_a_run_repeats_and_colocated_its_jobs_run_in_the_main_thread(one_step_off, start_point, tmp_path,
-                                                                     monkeypatch):
-    """On the CPU the sampler's jobs run where each batch is handed over, not in a worker thread: there
-    SmolLM2's rollouts came out wrong (rl/pipeline.py). A thread forced here gives the same records on
-    this small model. Only a sampler on its own accelerators with one process gets the thread."""
+def test_a_run_repeats_and_the_overlap_changes_no_record(one_step_off, start_point, tmp_path, monkeypatch):
+    """The same run again gives the same records; so does the run with the sampler's programs dispatched
+    only once the update has finished: the overlap changes the timing alone (a concurrent program must
+    not change the decode: on the CPU under XLA's own fusions it once did, journal 2026-12-06)."""
+    from arlopti_jax.rl import loop
+
     _, want, _ = one_step_off
-    made = pipeline.Pipeline.__init__
-    flags = []
-
-    def spy(self, *args, **kwargs):
-        flags.append(kwargs["background"])
-        made(self, *args, **kwargs)
-
-    monkeypatch.setattr(pipeline.Pipeline, "__init__", spy)
     train(make_config(staleness_values(start_point, tmp_path / "again")))
-    assert flags == [False] and step_metrics(tmp_path / "again") == want
-
-    def threaded(self, *args, **kwargs):
-        made(self, *args, **{**kwargs, "background": True})
-
-    monkeypatch.setattr(pipeline.Pipeline, "__init__", threaded)
-    train(make_config(staleness_values(start_point, tmp_path / "thread")))
-    assert step_metrics(tmp_path / "thread") == want
-    cpu = np.array(__import__("jax").devices()[:1]).reshape(1)
-    gpu = type("Mesh", (), {"devices": np.array([type("Device", (), {"platform": "gpu"})()])})()
-    assert not pipeline.in_thread(1, None) and not pipeline.in_thread(1, type("Mesh", (), {"devices": cpu})())
-    assert pipeline.in_thread(1, gpu) and not pipeline.in_thread(2, gpu)
+    assert step_metrics(tmp_path / "again") == want
+    monkeypatch.setattr(loop, "run_together", one_after_another)
+    train(make_config(staleness_values(start_point, tmp_path / "serial")))
+    assert step_metrics(tmp_path / "serial") == want
 
 
 @pytest.mark.slow
