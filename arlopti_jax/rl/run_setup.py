@@ -196,6 +196,20 @@ def split_devices(config, devices=None) -> tuple[list, list]:
     return trainer, sampler
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The run's meshes, made once per command (``make_layout``) and handed down: the trainer's, and
+    the sampler's own (None: it shares the trainer's)."""
+
+    mesh: jax.sharding.Mesh
+    sampler_mesh: jax.sharding.Mesh | None
+
+
+def make_layout(config, devices=None) -> Layout:
+    """``make_mesh`` and ``make_sampler_mesh`` of ``devices`` (default: every device of the job)."""
+    return Layout(make_mesh(config, devices), make_sampler_mesh(config, devices))
+
+
 def make_mesh(config, devices=None):
     """The trainer's mesh (``config.mesh``) over its devices of ``devices`` (``split_devices``); with
     several processes, each holds a contiguous block of batch rows."""
@@ -237,6 +251,7 @@ class Inputs:
     iterator: BatchIterator
     test_sets: dict[str, PromptDataset]
     base_sha256: str = ""  # a LoRA run's: ``base_digest(model_path)``, which its checkpoints record
+    layout: Layout | None = None  # the meshes (``make_layout``)
 
     @property
     def longest_prompt(self) -> int:
@@ -251,7 +266,7 @@ def longest_prompt(datasets) -> int:
     return max(len(row["prompt_ids"]) for data in datasets for row in data.rows)
 
 
-def prepare_inputs(config) -> Inputs:
+def prepare_inputs(config, layout: Layout | None = None) -> Inputs:
     """The run's paths, tokenizer and prompt datasets, with ``config.resume`` checked against
     ``run_dir`` (``check_resume``): a command's start-up calls this, so a ``run_dir`` it cannot write
     or without room for one checkpoint, a model folder that cannot serve (``check_weights``,
@@ -260,7 +275,8 @@ def prepare_inputs(config) -> Inputs:
     built-in reward does not know, a tracker of ``train.loggers`` that cannot start (process 0's,
     which alone logs) or a checkpoint to resume from that this config cannot continue
     (``check_checkpoint``) stops it in one line (FileNotFoundError or ValueError naming the field),
-    before the weights are loaded."""
+    before the weights are loaded. ``layout``: the run's meshes, when the command has made them."""
+    layout = make_layout(config) if layout is None else layout
     paths.check_writable(config.run_dir, "config.run_dir")  # before any process writes there
     dist.check_shared_folder(paths.path(config.run_dir, "config.run_dir"), "config.run_dir")  # one for all hosts
     model_path, train_files, test_files = resolve_paths(config)
@@ -297,13 +313,13 @@ def prepare_inputs(config) -> Inputs:
                          f"({model_cfg.vocab_size} tokens, {model_path})")
     check_checkpoint(config, model_cfg, iterator)  # the one it resumes from, if any
     load_reward_fn(config.reward.fn or None)  # a reward module that does not import stops here
-    inputs = Inputs(model_path, tokenizer, iterator, test_sets, digest)
+    inputs = Inputs(model_path, tokenizer, iterator, test_sets, digest, layout)
     # everything the run computes from its config, built once here without weights (nothing compiles
     # or allocates): a schedule the steps cannot span, a packing the budget cannot hold... stop here
     policy = Policy(model_cfg, None, tokenizer, model_path)
-    run = assemble(config, make_mesh(config), model_cfg, eos_ids=eos_ids(policy), pad_id=pad_id(policy),
+    run = assemble(config, layout.mesh, model_cfg, eos_ids=eos_ids(policy), pad_id=pad_id(policy),
                    total_steps=total_steps(config, iterator), prompt_width=inputs.longest_prompt,
-                   sampler_mesh=make_sampler_mesh(config))
+                   sampler_mesh=layout.sampler_mesh)
     saved = jax.tree.leaves(saved_state(model_cfg, run.state))  # room for one checkpoint
     paths.check_writable(config.run_dir, "config.run_dir", sum(x.size * x.dtype.itemsize for x in saved))
     return inputs
