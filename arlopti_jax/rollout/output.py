@@ -13,11 +13,13 @@ class Rollout:
 
     prompt_ids     [N, P] int32  left-padded prompt (P is the bucketed prompt length)
     prompt_mask    [N, P] int32  1 on prompt tokens
-    response_ids   [N, R] int32  right-padded response; pad_id after the end
-    response_mask  [N, R] int32  1 on generated tokens, the EOS token included
+    response_ids   [N, R] int32  right-padded response; pad_id after the end (a tool episode's:
+                                 the drawn and the observation tokens in order)
+    response_mask  [N, R] int32  1 on generated tokens, the EOS token included: the policy's own
+                                 (a tool episode's action mask, 0 on its observations)
     logprobs       [N, R] float32 log_softmax(logits / temperature) of each sampled
                                   token under the full distribution (pi_old); 0 on padding
-    lengths        [N] int32     response_mask.sum(-1)
+    lengths        [N] int32     response_mask.sum(-1) (+ observation_mask.sum(-1))
     truncated      [N] bool      reached R tokens without an EOS (or a stop string)
     group_ids      [N] int32     index of the prompt each row answers
     decode_steps   int           response positions the decode loop produced (< R when
@@ -28,6 +30,8 @@ class Rollout:
                                  text: the stop string that ended it (unless kept) and what its
                                  last token decodes to after it (``stop.apply_stops``); None
                                  without stop strings
+    observation_mask [N, R] int32 or None  a tool episode's observation tokens (given by the host,
+                                 not drawn: ``episodes.py``); None for single-turn responses
     """
 
     prompt_ids: np.ndarray
@@ -41,6 +45,7 @@ class Rollout:
     decode_steps: int
     decode_loops: tuple = ()
     text_cut: np.ndarray | None = None
+    observation_mask: np.ndarray | None = None
 
     @property
     def decode_row_steps(self) -> int:
@@ -63,16 +68,18 @@ class Rollout:
         """The trainer's sequence batch, [N, P + R], every array aligned with input_ids.
 
         input_ids       concat(left-padded prompt, right-padded response)
-        attention_mask  concat(prompt_mask, response_mask)
-        response_mask   zeros over the prompt part
+        attention_mask  concat(prompt_mask, response_mask (+ observation_mask))
+        response_mask   zeros over the prompt part (and a tool episode's observations: the
+                        action mask, which every consumer of the update reads)
         old_logprobs    old_logprobs[:, t] = log pi_old(input_ids[:, t] | input_ids[:, :t]),
                         the convention of ``arlopti_jax.models.token_logprobs``; zeros over
                         the prompt part and padding
         """
         zeros_p = np.zeros_like(self.prompt_mask)
+        attended = self.response_mask if self.observation_mask is None else self.response_mask + self.observation_mask
         return {
             "input_ids": np.concatenate([self.prompt_ids, self.response_ids], axis=1),
-            "attention_mask": np.concatenate([self.prompt_mask, self.response_mask], axis=1),
+            "attention_mask": np.concatenate([self.prompt_mask, attended], axis=1),
             "response_mask": np.concatenate([zeros_p, self.response_mask], axis=1),
             "old_logprobs": np.concatenate([zeros_p.astype(np.float32), self.logprobs], axis=1),
         }

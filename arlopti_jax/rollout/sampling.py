@@ -142,9 +142,16 @@ def gumbel_noise(key: Array, step, rows: Array, width: int) -> Array:
     a key drawn from ``fold_in(key, step)``. A row's noise is a function of (key, step, its
     global index) only, so compacting, padding or re-sharding the batch never changes a
     sample. One hash per entry, the same work as ``jax.random.gumbel`` on the whole batch.
+    ``step`` may be an [N] array, each row at its own position (a tool episode's rows, which
+    the observations put at different positions: ``episode_programs``); a row's noise is then
+    the same as with the scalar ``step`` equal to its entry.
     """
-    k1, k2 = jax.random.bits(jax.random.fold_in(key, step), (2,), jnp.uint32)
     shape = (rows.shape[0], width)
+    if jnp.ndim(step):  # a key per row: [N, 1] halves, broadcast over the row's entries
+        bits = jax.vmap(lambda s: jax.random.bits(jax.random.fold_in(key, s), (2,), jnp.uint32))(step)
+        k1, k2 = (jnp.broadcast_to(bits[:, i:i + 1], shape) for i in (0, 1))
+    else:
+        k1, k2 = jax.random.bits(jax.random.fold_in(key, step), (2,), jnp.uint32)
     hi = jnp.broadcast_to(rows.astype(jnp.uint32)[:, None], shape)
     lo = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
     b1, b2 = (threefry2x32 if shd.platform() == "cpu" else threefry2x32_p.bind)(k1, k2, hi, lo)
