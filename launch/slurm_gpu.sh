@@ -36,10 +36,12 @@
 # --signal lead (a job signalled at its start is stopped at every start). SLURM holds a requeued
 # job back for about 2 minutes before it may start again (its EligibleTime).
 #
-# arlopti_jax reads the process count and id from SLURM_NTASKS / SLURM_PROCID; the coordinator is
-# the allocation's first node, on port ARLOPTI_COORDINATOR_PORT (default: derived from the job id).
-# run_dir, the model folder and the data must be on a filesystem every node sees, or in a bucket
-# (gs://...).
+# Each task joins the others through JAX's own SLURM detection (jax.distributed.initialize): the
+# process count and id from SLURM_NTASKS / SLURM_PROCID, the coordinator on the step's first node, on
+# port JAX_COORDINATOR_PORT (default: JAX's, from the job id). The GPUs a task drives are
+# arlopti_jax's choice (runtime/distributed.py): all its node's with one task per node, its share of
+# them with several. run_dir, the model folder and the data must be on a filesystem every node sees,
+# or in a bucket (gs://...).
 #
 # Environment: PYTHON (default python3, e.g. a venv with `pip install -e ".[cuda]"`),
 # ARLOPTI_MODULE (default arlopti_jax.train; arlopti_jax.eval evaluates the same way),
@@ -49,15 +51,39 @@ set -euo pipefail
 
 : "${SLURM_JOB_ID:?run this script with sbatch (or inside an salloc allocation)}"
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-port=${ARLOPTI_COORDINATOR_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 python=${PYTHON:-python3}
 module=${ARLOPTI_MODULE:-arlopti_jax.train}
 stopped=75  # the trainer's "stopped, resume me" (EX_TEMPFAIL)
 
-# CPUs per task: sbatch's --cpus-per-task when given, else this node's CPUs over its tasks
-tasks_here=${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}
-tasks_here=${tasks_here%%[(,]*}  # "8(x2),4" -> 8
-cpus_per_task=${SLURM_CPUS_PER_TASK:-$(( ${SLURM_CPUS_ON_NODE:-1} / tasks_here ))}
+per_node() {  # one of SLURM's per-node lists, one value per node: "4(x2),2" -> "4 4 2"
+  local part i out=()
+  local -a parts
+  IFS=, read -ra parts <<< "$1"
+  for part in "${parts[@]}"; do
+    if [[ $part =~ ^([0-9]+)\(x([0-9]+)\)$ ]]; then
+      for ((i = 0; i < BASH_REMATCH[2]; i++)); do out+=("${BASH_REMATCH[1]}"); done
+    else
+      out+=("$part")
+    fi
+  done
+  echo "${out[@]}"
+}
+
+# CPUs per task: sbatch's --cpus-per-task when given, else the fewest any node has per task (srun takes
+# one count for every task; "4(x2),2" tasks on three 32-CPU nodes: 8)
+if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+  cpus_per_task=$SLURM_CPUS_PER_TASK
+else
+  read -ra tasks <<< "$(per_node "${SLURM_TASKS_PER_NODE:-1}")"
+  read -ra cpus <<< "$(per_node "${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}")"
+  cpus_per_task=
+  for i in "${!tasks[@]}"; do
+    here=$(( ${cpus[i]:-${cpus[-1]}} / tasks[i] ))
+    if [[ -z $cpus_per_task ]] || (( here < cpus_per_task )); then
+      cpus_per_task=$here
+    fi
+  done
+fi
 if (( cpus_per_task < 1 )); then
   cpus_per_task=1
 fi
@@ -66,14 +92,15 @@ if [[ -z ${XLA_PYTHON_CLIENT_MEM_FRACTION:-} ]]; then  # JAX refuses both names 
 fi
 
 echo "slurm_gpu.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}), ${SLURM_NNODES:-?} nodes," \
-  "${SLURM_NTASKS:-?} tasks x $cpus_per_task CPUs, coordinator $head_node:$port" >&2
+  "${SLURM_NTASKS:-?} tasks x $cpus_per_task CPUs, coordinator on $head_node" \
+  "(port ${JAX_COORDINATOR_PORT:-from the job id})" >&2
 
 # --kill-on-bad-exit: a task that fails takes the others down with it (they would wait for it at the
 # next collective). A stopping trainer ignores further stop signals once its checkpoint is saved, so
 # the SIGTERM this sends to the tasks still leaving after the first exits with 75 leaves their 75 as is.
 status=0
 srun --kill-on-bad-exit=1 --cpus-per-task="$cpus_per_task" \
-  "$python" -m "$module" --config.distributed.coordinator="$head_node:$port" "$@" || status=$?
+  "$python" -m "$module" "$@" || status=$?
 
 if [[ $status -eq $stopped ]]; then
   echo "slurm_gpu.sh: the run stopped with a checkpoint (status $stopped); requeueing job $SLURM_JOB_ID" >&2

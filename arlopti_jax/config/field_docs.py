@@ -262,10 +262,11 @@ FIELD_DOCS = {
                      "the data axis repeats it over this many slices across the data-center network (-1 = every "
                      "slice; it must divide the slice count; the other slices extend fsdp, whose weight gathers "
                      "then cross slices); one slice: 1 or -1",
-    "distributed.coordinator": "`host:port` of process 0; `\"\"` = from SLURM, or a single process; `auto` = "
+    "distributed.coordinator": "`host:port` of process 0; `\"\"` = JAX's SLURM detection under `srun` (the step's "
+                               "first node, port `JAX_COORDINATOR_PORT` or JAX's), else a single process; `auto` = "
                                "JAX's detection (Cloud TPU)",
-    "distributed.num_processes": "process count (0 = from SLURM or JAX)",
-    "distributed.process_id": "this process's id (-1 = from SLURM or JAX)",
+    "distributed.num_processes": "process count (0 = JAX's detection: SLURM's or a TPU pod's)",
+    "distributed.process_id": "this process's id (-1 = JAX's detection: SLURM's or a TPU pod's)",
     "distributed.heartbeat_timeout_s": "seconds after a process stops sending heartbeats (it died) before the "
                                        "others stop too (JAX's coordination service)",
 }

@@ -2,8 +2,9 @@
 
 Every process runs the same command (``launch/``). ``initialize`` joins them with
 ``jax.distributed.initialize`` before any JAX computation, taking the coordinator address,
-process count and process id from ``config.distributed.*``, else from SLURM's variables
-(GPU clusters), else letting JAX detect a Cloud TPU pod. After that ``jax.devices()`` lists
+process count and process id from ``config.distributed.*``, else from JAX's own detection: of
+SLURM's ``srun`` tasks (GPU clusters; the devices each task drives are chosen here, where JAX's
+choice is wrong) or of a Cloud TPU pod. After that ``jax.devices()`` lists
 every process's devices and a jitted program runs on all of them (each process launching
 it on its own).
 
@@ -44,18 +45,48 @@ from arlopti_jax.runtime.startup import ConfigError
 log = logging.getLogger(__name__)
 
 
-def _slurm_first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
-    m = re.match(r"([^,\[]+)(?:\[([^,\]-]+))?", nodelist.strip())
-    if not m:
-        raise ValueError(f"cannot parse the SLURM node list {nodelist!r}")
-    return m.group(1) + (m.group(2) or "")
+# what JAX's own SLURM detection reads (jax/_src/clusters/slurm_cluster.py): present in every srun task
+SLURM_TASK_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def slurm_tasks_per_node(value: str) -> list[int]:
+    """SLURM's tasks-per-node list, one count per node of the step: '4(x2),2' -> [4, 4, 2]."""
+    counts = []
+    for part in value.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ConfigError(f"SLURM's tasks per node {value!r}: expected N or N(xK), comma-separated")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
 
 
 def _slurm_tasks_on_this_node(environ: Mapping[str, str]) -> int:
-    """Tasks per node from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ('4(x2),2' -> 4)."""
-    value = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
-    return int(re.match(r"\d+", value).group(0))
+    """The tasks of this node: its entry (``SLURM_NODEID``, the node's place in the step) of
+    SLURM_STEP_TASKS_PER_NODE (SLURM_TASKS_PER_NODE outside a step): '4(x2),2' is 2 on node 2."""
+    counts = slurm_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+                                  or "1")
+    node = int(environ.get("SLURM_NODEID", "0"))
+    if not 0 <= node < len(counts):
+        raise ConfigError(f"SLURM_NODEID={node} names no node of SLURM's tasks per node {counts}")
+    return counts[node]
+
+
+def _slurm_local_devices(environ: Mapping[str, str]) -> list[int]:
+    """The GPUs this task drives, as ``jax.distributed.initialize``'s ``local_device_ids`` ([]: every
+    device it sees). JAX's own SLURM detection gives each task [SLURM_LOCALID] alone, which is wrong
+    twice: one task per node would drive one of its 8 GPUs, and a task SLURM bound to its own GPU
+    (``--gpus-per-task``: CUDA_VISIBLE_DEVICES one id, seen as device 0) would ask for device
+    SLURM_LOCALID. Here: one task on the node, or one visible GPU, drive what they see; N tasks that
+    all see the node's G GPUs (CUDA_VISIBLE_DEVICES listing them, or SLURM_GPUS_ON_NODE) take G / N
+    each, in order of SLURM_LOCALID (one each where the count is unknown)."""
+    tasks = _slurm_tasks_on_this_node(environ)
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if tasks == 1 or (visible is not None and "," not in visible):
+        return []
+    local = int(environ["SLURM_LOCALID"])
+    gpus = len(visible.split(",")) if visible else int(environ.get("SLURM_GPUS_ON_NODE") or 0)
+    share = max(1, gpus // tasks)
+    return list(range(local * share, (local + 1) * share))
 
 
 def _on_tpu_vm() -> bool:
@@ -70,40 +101,48 @@ def _on_tpu_vm() -> bool:
 def cluster_settings(config, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """Keyword arguments for ``jax.distributed.initialize``, or None for a single process.
 
-    Each of coordinator / num_processes / process_id comes from ``config.distributed`` when
-    set, else from SLURM (srun: SLURM_NTASKS, SLURM_PROCID, the first node of
-    SLURM_STEP_NODELIST on a port derived from SLURM_JOB_ID). ``coordinator='auto'`` (or a
-    Cloud TPU VM with nothing set) leaves all three to JAX's own detection (TPU pods).
+    Under ``srun`` (``SLURM_TASK_VARS``) JAX's own SLURM detection (``cluster_detection_method=
+    "slurm"``) finds the coordinator (the step's first node, on a port from the job id, or
+    ``JAX_COORDINATOR_PORT``), the process count and this process's id; ``config.distributed``'s
+    fields, where set, replace its values, and the devices each task drives are this module's
+    (``_slurm_local_devices``). Elsewhere the three come from ``config.distributed``, with JAX's
+    detection off. ``coordinator='auto'`` (or a Cloud TPU VM with nothing set) leaves everything to
+    JAX's detection (TPU pods). One SLURM task, or nothing set, is a single process.
     """
     env = os.environ if environ is None else environ
     d = config.distributed
     if d.coordinator == "auto":
         return {}
-    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
     coordinator = d.coordinator or None
-    num = d.num_processes if d.num_processes > 0 else (int(env["SLURM_NTASKS"]) if slurm else None)
-    pid = d.process_id if d.process_id >= 0 else (int(env["SLURM_PROCID"]) if slurm else None)
-    if coordinator is None and slurm and num and num > 1:
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
-        port = int(env.get("SLURM_JOB_ID", "0")) % 4096 + 61440  # JAX's own choice of port
-        coordinator = f"{_slurm_first_host(nodes)}:{port}"
+    num = d.num_processes if d.num_processes > 0 else None
+    pid = d.process_id if d.process_id >= 0 else None
+    if all(var in env for var in SLURM_TASK_VARS):
+        tasks = num if num is not None else int(env["SLURM_NTASKS"])
+        if tasks == 1 and not coordinator:
+            return None
+        _check(coordinator, tasks, pid if pid is not None else int(env["SLURM_PROCID"]), coordinator is not None)
+        out = dict(cluster_detection_method="slurm", local_device_ids=_slurm_local_devices(env))
+        given = dict(coordinator_address=coordinator, num_processes=num, process_id=pid)
+        return {**out, **{k: v for k, v in given.items() if v is not None}}
     if coordinator is None and num is None and pid is None:
         return {} if _on_tpu_vm() else None
     if num is not None and num == 1 and not coordinator:
         return None
-    for field, value, ok in (("distributed.coordinator", coordinator, bool(coordinator) and ":" in str(coordinator)),
+    _check(coordinator, num, pid, True)
+    return dict(coordinator_address=coordinator, num_processes=num, process_id=pid,
+                cluster_detection_method="deactivate")
+
+
+def _check(coordinator, num, pid, need_coordinator: bool) -> None:
+    """ConfigError naming the field for a coordinator, process count or id a run cannot start with."""
+    for field, value, ok in (("distributed.coordinator", coordinator,
+                              not need_coordinator or (bool(coordinator) and ":" in str(coordinator))),
                              ("distributed.num_processes", num, num is not None and num >= 1),
                              ("distributed.process_id", pid, pid is not None and 0 <= pid < (num or 0))):
         if not ok:
             raise ConfigError(f"config.{field}={value!r} is invalid: a multi-process run needs "
                               "distributed.coordinator=HOST:PORT, distributed.num_processes >= 1 and "
                               "0 <= distributed.process_id < num_processes (or SLURM's srun variables)")
-    out = dict(coordinator_address=coordinator, num_processes=num, process_id=pid,
-               cluster_detection_method="deactivate")
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if slurm and _slurm_tasks_on_this_node(env) > 1 and "SLURM_LOCALID" in env and (visible is None or "," in visible):
-        out["local_device_ids"] = [int(env["SLURM_LOCALID"])]  # one process per GPU, all GPUs visible
-    return out
 
 
 def initialize(config) -> bool:

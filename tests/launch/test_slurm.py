@@ -51,7 +51,7 @@ def submit(cluster, workdir: Path, args: list[str], *sbatch: str, module: str | 
     # clusters, which both number their jobs from 1, and two jobs on one coordinator port abort
     # (seen 2026-12-06 when both workers ran this file's trainer jobs at once)
     env = {**cluster.env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
-           "ARLOPTI_COORDINATOR_PORT": str(slurm_cluster.free_port()),
+           "JAX_COORDINATOR_PORT": str(slurm_cluster.free_port()),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")])}
     if module:

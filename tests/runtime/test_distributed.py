@@ -101,8 +101,22 @@ def _config(**distributed) -> ml_collections.ConfigDict:
     return c
 
 
-SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
          "SLURM_STEP_NODELIST": "gpu[07-08],cpu1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+
+
+def jax_detects(settings: dict, environ: dict, monkeypatch) -> tuple:
+    """(coordinator, process count, process id, local device ids) as ``jax.distributed.initialize``
+    would take them from ``settings`` under ``environ``: JAX's own cluster detection, run on them."""
+    from jax._src import clusters
+
+    for var in [v for v in os.environ if v.startswith(("SLURM_", "JAX_COORDINATOR", "CUDA_VISIBLE"))]:
+        monkeypatch.delenv(var)
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        settings.get("coordinator_address"), settings.get("num_processes"), settings.get("process_id"),
+        settings.get("local_device_ids"), settings.get("cluster_detection_method"), 300)
 
 
 def test_cluster_settings_from_config_and_slurm(monkeypatch):
@@ -113,24 +127,63 @@ def test_cluster_settings_from_config_and_slurm(monkeypatch):
     explicit = dist.cluster_settings(_config(coordinator="h:1234", num_processes=2, process_id=1), {})
     assert explicit == dict(coordinator_address="h:1234", num_processes=2, process_id=1,
                             cluster_detection_method="deactivate")
+    # under srun, JAX's own SLURM detection finds the coordinator, the count and the id
     slurm = dist.cluster_settings(_config(), SLURM)
-    assert slurm["coordinator_address"] == f"gpu07:{4242 % 4096 + 61440}"
-    assert (slurm["num_processes"], slurm["process_id"], slurm["local_device_ids"]) == (4, 3, [1])
-    bound = dist.cluster_settings(_config(), {**SLURM, "CUDA_VISIBLE_DEVICES": "1"})  # --gpus-per-task=1
-    assert "local_device_ids" not in bound
-    one_per_node = dist.cluster_settings(_config(coordinator="head:5000"),
-                                         {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x4)"})
-    assert one_per_node["coordinator_address"] == "head:5000" and "local_device_ids" not in one_per_node
+    assert slurm == dict(cluster_detection_method="slurm", local_device_ids=[1])
+    assert jax_detects(slurm, SLURM, monkeypatch) == (f"gpu07:{4242 % 4096 + 61440}", 4, 3, [1])
+    port = jax_detects(slurm, {**SLURM, "JAX_COORDINATOR_PORT": "23456"}, monkeypatch)
+    assert port[0] == "gpu07:23456"
+    given = dist.cluster_settings(_config(coordinator="head:5000"), SLURM)  # the config's fields win
+    assert jax_detects(given, SLURM, monkeypatch) == ("head:5000", 4, 3, [1])
     with pytest.raises(ConfigError, match=r"config.distributed.process_id=2 is invalid"):
         dist.cluster_settings(_config(coordinator="h:1", num_processes=2, process_id=2), {})
     with pytest.raises(ConfigError, match=r"config.distributed.coordinator=None is invalid"):
         dist.cluster_settings(_config(num_processes=2, process_id=0), {})
+    with pytest.raises(ConfigError, match=r"config.distributed.coordinator='head' is invalid"):
+        dist.cluster_settings(_config(coordinator="head"), SLURM)
 
 
-@pytest.mark.parametrize("nodes,first", [("node001", "node001"), ("a1,b2", "a1"), ("gpu[03-05,9],x", "gpu03"),
-                                         ("n[7,9]", "n7")])
-def test_slurm_first_host(nodes, first):
-    assert dist._slurm_first_host(nodes) == first
+# (SLURM's tasks per node, this node's SLURM_NODEID, its task's SLURM_LOCALID, CUDA_VISIBLE_DEVICES or None,
+#  SLURM_GPUS_ON_NODE or None) -> the devices the task drives ([]: all it sees)
+DEVICES = [
+    ("2(x2)", 1, 1, None, None, [1]),  # one per GPU, the count unknown: one each
+    ("1(x4)", 2, 0, None, None, []),  # one task per node: every GPU of it (JAX's own choice: [0])
+    ("1(x4)", 2, 0, "0,1,2,3,4,5,6,7", "8", []),
+    ("8(x2)", 0, 5, "3", "8", []),  # --gpus-per-task=1: its own GPU, device 0 to it (JAX's choice: [5])
+    ("4(x2),2", 0, 3, "0,1,2,3", "4", [3]),  # uneven: 4 tasks on each of the first two nodes...
+    ("4(x2),2", 2, 1, "0,1,2,3", "4", [2, 3]),  # ...and 2 on the third, 2 of its 4 GPUs each
+    ("4(x2),2", 2, 0, None, "4", [0, 1]),
+    ("4(x2),2", 1, 2, None, None, [2]),
+    ("1,2", 0, 0, "0,1", "2", []),  # one task on node 0, two on node 1
+    ("1,2", 1, 1, "0,1", "2", [1]),
+    ("3,1(x2)", 2, 0, "0,1,2", "3", []),
+    ("3,1(x2)", 0, 2, "0,1,2", "3", [2]),
+]
+
+
+@pytest.mark.parametrize("per_node,node,local,visible,gpus,want", DEVICES)
+def test_each_task_drives_its_share_of_its_node(per_node, node, local, visible, gpus, want, monkeypatch):
+    counts = dist.slurm_tasks_per_node(per_node)
+    env = {**SLURM, "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_NODEID": str(node), "SLURM_LOCALID": str(local),
+           "SLURM_NTASKS": str(sum(counts)), "SLURM_PROCID": str(sum(counts[:node]) + local)}
+    env.update({k: v for k, v in (("CUDA_VISIBLE_DEVICES", visible), ("SLURM_GPUS_ON_NODE", gpus)) if v})
+    settings = dist.cluster_settings(_config(), env)
+    assert settings["local_device_ids"] == want
+    # JAX keeps them ([] included: every device); without them it would take [SLURM_LOCALID]
+    assert jax_detects(settings, env, monkeypatch)[1:] == (sum(counts), sum(counts[:node]) + local, want)
+
+
+@pytest.mark.parametrize("value,counts", [("1", [1]), ("8", [8]), ("2(x3)", [2, 2, 2]), ("4(x2),2", [4, 4, 2]),
+                                          ("1,2(x2),3", [1, 2, 2, 3])])
+def test_slurm_tasks_per_node(value, counts):
+    assert dist.slurm_tasks_per_node(value) == counts
+
+
+def test_slurm_tasks_per_node_refuses_what_it_cannot_read():
+    with pytest.raises(ConfigError, match=r"SLURM's tasks per node '2\(x\)': expected N or N\(xK\)"):
+        dist.slurm_tasks_per_node("2(x)")
+    with pytest.raises(ConfigError, match=r"SLURM_NODEID=3 names no node"):
+        dist.cluster_settings(_config(), {**SLURM, "SLURM_NODEID": "3"})
 
 
 def test_blocks_cover_the_batch_in_order():
