@@ -123,7 +123,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("examples")
     for folder in ("configs", "bench", "analysis", "launch"):  # the examples run from a checkout's root
         (root / folder).symlink_to(REPO / folder, target_is_directory=True)
-    model = write_hf_model(root / "stand_in" / "model")
+    model = write_hf_model(root / "stand_in" / "model", vocab_size=4096)  # rows for the stand-in tokenizer's tokens
     # enough rows for one batch of every config (train checks that at start-up: 64 prompts)
     for n in range(3, 8):
         for split in ("train", "test"):
