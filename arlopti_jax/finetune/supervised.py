@@ -2,8 +2,11 @@
 and the embedded default's warm start (``start_point``).
 
 Rows hold ``prompt`` (a string or chat messages, rendered as the RL loader does) and
-``response`` (the target text; the tokenizer's EOS is appended). The loss is the mean
-negative log-likelihood of response tokens.
+``response``: the target text, or a list of segments ``{"text": ..., "train": bool}`` laid out
+in order, each tokenized on its own, of which the loss reads the ``train`` ones (a tool trace: the
+assistant's turns trained, the tool's observations between them not; ``tool_traces.py``); the
+tokenizer's EOS is appended, and trained. The loss is the mean negative log-likelihood of the
+trained tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +25,21 @@ from arlopti_jax.models import ModelConfig, param_shardings, token_logprobs
 from arlopti_jax.tasks.data import render_prompt
 
 
+def response_segments(response, row: int) -> list[tuple[str, bool]]:
+    """A row's ``response`` as (text, trained) segments: a string is one trained segment."""
+    if isinstance(response, str):
+        return [(response, True)]
+    if isinstance(response, (list, tuple)) and all(
+            isinstance(s, dict) and isinstance(s.get("text"), str) and isinstance(s.get("train"), bool)
+            for s in response):
+        return [(s["text"], s["train"]) for s in response]
+    raise ValueError(f"SFT row {row}: 'response' must be a string or a list of {{'text': str, 'train': bool}} "
+                     f"segments, got {response!r:.200}")
+
+
 def tokenize_pairs(rows: list[dict], tokenizer, max_length: int) -> dict[str, np.ndarray]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (response + EOS tokens)."""
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (the trained segments' tokens
+    and the EOS)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token: SFT targets need one to end responses")
@@ -32,10 +48,13 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_length: int) -> dict[str, np
         if "prompt" not in row or "response" not in row:
             raise ValueError(f"SFT row {i} needs 'prompt' and 'response' columns, has {sorted(row)}")
         prompt = tokenizer(render_prompt(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
-        response = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [eos]
-        seq = (prompt + response)[:max_length]
-        seqs.append(seq)
-        masks.append(([0] * len(prompt) + [1] * len(response))[:max_length])
+        seq, mask = list(prompt), [0] * len(prompt)
+        for text, trained in response_segments(row["response"], i):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            seq += ids
+            mask += [int(trained)] * len(ids)
+        seqs.append((seq + [eos])[:max_length])
+        masks.append((mask + [1])[:max_length])
     length = max(len(s) for s in seqs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     out = {k: np.zeros((len(seqs), length), np.int32) for k in ("input_ids", "attention_mask", "loss_mask")}

@@ -26,6 +26,9 @@ Two options from DAPO (Yu et al., 2025), both off by default:
 Metrics describe every response sampled in the step (all rounds): an unbiased sample of
 the policy, comparable with filtering off. The batch handed to the update always holds
 ``batch_prompts x n`` rows.
+
+With ``config.env.name`` set, ``make_collector`` gives an ``EpisodeCollector``: the same calls and
+batch, each round's responses tool episodes (docs/guides/tools.md).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import jax
 import numpy as np
 
 from arlopti_jax.runtime import distributed as dist
-from arlopti_jax.rl.evaluation import concat_info, gather_info, info_means, score_rollout, stopped
+from arlopti_jax.rl.episode_host import EpisodeBatch, EpisodeSetup
+from arlopti_jax.rl.evaluation import concat_info, gather_info, info_means, score_episodes, score_rollout, stopped
 from arlopti_jax.rollout.sampler import drain
 
 
@@ -182,3 +186,81 @@ def _pad(x: np.ndarray, prompt: int, prompt_width: int, response_width: int, val
     prompt part padded on the left, the response part on the right (rounds' widths differ)."""
     response = x.shape[1] - prompt
     return np.pad(x, ((0, 0), (prompt_width - prompt, response_width - response)), constant_values=value)
+
+
+class EpisodeCollector(Collector):
+    """A ``Collector`` whose rounds are ``train.batch_prompts`` x ``rollout.n`` tool episodes
+    (``config.env``: ``rollout/episodes.py`` on the device, ``rl/episode_host.py`` on the host), each
+    rewarded by its environment; rounds, dynamic sampling, the overlong penalty and the ``StepBatch``
+    are the ``Collector``'s. The batch's ``response_mask`` is the action mask: 1 on the policy's drawn
+    tokens, 0 on the prompt and on every observation, whose ``old_logprobs`` are 0 (no pi_old); every
+    consumer of the update reads that mask (``algos``). ``StepBatch.stats`` adds, over every episode
+    of the step (all processes):
+
+        episode/turns               turns per episode (each ended turn the environment answered)
+        episode/tool_calls          tool calls per episode; tool_errors, tool_timeouts likewise
+        episode/env_errors          episodes an environment failed (raised, overran: reward 0)
+        episode/observation_tokens  observation tokens per episode; observations_cut: cut to the cap
+        episode/action_share        the policy's share of the episodes' tokens after the prompt (the
+                                    masked-in share; the rest are observations)
+        time/tool_seconds           the tools' own seconds, summed over the step's calls
+        time/environment            this process's wall seconds in the environments' resets and steps
+    """
+
+    def __init__(self, config, sampler, sampling, reward_fn, tokenizer, mesh, timer):
+        super().__init__(config, sampler, sampling, reward_fn, tokenizer, mesh, timer)
+        self.setup = EpisodeSetup.from_config(config, tokenizer, sampler.cfg.vocab_size)
+        self.episodes = self.setup.sampler(sampler)
+        self.pool = self.setup.pool()
+        self._batches: list[tuple[EpisodeBatch, object, np.ndarray]] = []
+
+    def _round(self, params, rows, key):
+        """One round of episodes, scored (a generator, as ``Collector._round``)."""
+        a = self.config.algo
+        mine = rows[self.mine]
+        batch = EpisodeBatch(self.setup, self.pool, [row for row in mine for _ in range(self.n)], self.tokenizer)
+        with self.timer("rollout"):
+            rollout, turns = yield from self.episodes.generate_steps(params, [r["prompt_ids"] for r in mine], self.n,
+                                                                     key, self.sampling, batch)
+        with self.timer("reward"):
+            scored = score_episodes(self.config, self.tokenizer, mine, rollout, self.n, batch)
+        self._batches.append((batch, rollout, turns))
+        rewards = scores = scored.scores
+        if a.overlong_buffer > 0:
+            rewards = scores + overlong_penalty(rollout.lengths, self.sampling.max_response_len, a.overlong_buffer,
+                                                a.overlong_penalty)
+        return _Round(rows, rollout, scored.texts, scores, rewards, scored.correct, scored.info)
+
+    def steps(self, params, iterator, step_key):
+        self._batches = []
+        out = yield from super().steps(params, iterator, step_key)
+        out.stats.update(episode_stats(self._batches))
+        return out
+
+
+def episode_stats(batches) -> dict[str, float]:
+    """``EpisodeCollector``'s metrics of one step's rounds (``(EpisodeBatch, Rollout, turns)`` each),
+    gathered over the processes."""
+    columns = []
+    for batch, rollout, turns in batches:
+        c = batch.counts
+        columns.append(dist.gather(turns.astype(np.float64), c["tool_calls"], c["tool_errors"], c["tool_timeouts"],
+                                   c["env_errors"], c["tool_seconds"], batch.observation_tokens.astype(np.float64),
+                                   batch.observations_cut.astype(np.float64),
+                                   rollout.response_mask.sum(1).astype(np.float64)))
+    turns, calls, errors, timeouts, env_errors, seconds, observed, cut, actions = (
+        np.concatenate(parts) for parts in zip(*columns))
+    return {"episode/turns": float(turns.mean()), "episode/tool_calls": float(calls.mean()),
+            "episode/tool_errors": float(errors.mean()), "episode/tool_timeouts": float(timeouts.mean()),
+            "episode/env_errors": float(env_errors.sum()), "episode/observation_tokens": float(observed.mean()),
+            "episode/observations_cut": float(cut.sum()),
+            "episode/action_share": float(actions.sum() / max(actions.sum() + observed.sum(), 1.0)),
+            "time/tool_seconds": float(seconds.sum()),
+            "time/environment": float(sum(batch.seconds for batch, _, _ in batches))}
+
+
+def make_collector(config, sampler, sampling, reward_fn, tokenizer, mesh, timer) -> Collector:
+    """The run's collector: a ``Collector``, or with ``config.env.name`` set the tool episodes'
+    ``EpisodeCollector`` (the same calls and ``StepBatch``)."""
+    kind = EpisodeCollector if config.env.name else Collector
+    return kind(config, sampler, sampling, reward_fn, tokenizer, mesh, timer)
