@@ -220,10 +220,10 @@ def batch_divisor(mesh: Mesh) -> int:
 
 
 def put(x: np.ndarray, sharding: NamedSharding, global_rows: int | None = None) -> jax.Array:
-    """A host array -> a global array in ``sharding``. With one process, or ``global_rows`` None
-    (every process holds ``x`` whole), ``x`` is the whole array; otherwise ``x`` is this process's
-    rows of a ``global_rows``-row array."""
-    if global_rows is None or jax.process_count() == 1:
+    """A host array -> a global array in ``sharding``. With ``sharding`` on one process's devices, or
+    ``global_rows`` None (every process holds ``x`` whole), ``x`` is the whole array; otherwise ``x``
+    is this process's rows of a ``global_rows``-row array."""
+    if global_rows is None or len({d.process_index for d in sharding.device_set}) == 1:
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     return jax.make_array_from_process_local_data(sharding, x, (global_rows,) + x.shape[1:])
 
@@ -232,6 +232,19 @@ def describe(tree) -> dict[str, str]:
     """Flat {path: sharding spec} of a tree of arrays, for logs and tests."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(k): str(getattr(v.sharding, "spec", v.sharding)) for k, v in flat}
+
+
+def whole_on_own_mesh(t):  # the program's name in the compile log
+    return t
+
+
+def whole_program(leaves: list) -> tuple[list[int], Any]:
+    """The program ``transfer`` runs first with several processes, for a list of arrays (or abstract
+    arrays: ``aot``): (the positions of the leaves it takes, those not whole on their mesh already: a
+    key or a scalar is; the jitted program, which makes the list of those whole, replicated over each
+    one's own mesh)."""
+    split = [i for i, x in enumerate(leaves) if not x.sharding.is_fully_replicated]
+    return split, jax.jit(whole_on_own_mesh, out_shardings=[replicated(leaves[i].sharding.mesh) for i in split])
 
 
 def transfer(tree, shardings):
@@ -243,16 +256,10 @@ def transfer(tree, shardings):
     gives every process devices of both meshes. The sources are never donated or changed."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
-
-    def whole_on_own_mesh(t):  # named: the compile log shows it
-        return t
-
     leaves, treedef = jax.tree.flatten(tree)
-    split = [i for i, x in enumerate(leaves) if not x.is_fully_replicated]  # a key or a scalar is whole already
+    split, gather = whole_program(leaves)
     if split:
-        made = jax.jit(whole_on_own_mesh, out_shardings=[replicated(leaves[i].sharding.mesh) for i in split])(
-            [leaves[i] for i in split])
-        for i, x in zip(split, made):
+        for i, x in zip(split, gather([leaves[i] for i in split])):
             leaves[i] = x
     whole = jax.tree.unflatten(treedef, leaves)
 
