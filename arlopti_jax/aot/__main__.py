@@ -13,10 +13,16 @@ shape), or, when that folder is not on this machine, from its Qwen2.5 size
 (``arlopti_jax/aot/shapes.py``). The sampler's prompt width is the longest prompt of the data,
 as ``train`` pads it, when the data and the tokenizer are here; else ``data.max_prompt_length``.
 
-Per program it prints the compile time, the per-device memory the compiler assigned
-(arguments, outputs, temporaries, aliased), the step's per-device peak with the resident
-training state, flops and bytes accessed, the compiler's time estimate where it gives one (TPU,
-programs without loops), and the collectives of the optimized HLO. It exits 0 when the step
+The step's programs include the copies of the policy it makes for the sampler: at
+``rollout.max_staleness`` k >= 1 the colocated snapshot and its checksums; with the sampler on its
+own devices (``rollout.devices``) the weight sync (the cast, with several processes the gather of
+each array whole on the trainer's mesh, the transfer's bytes, the checksums on each side). Per
+program (``T`` / ``S``: on the trainer's or the sampler's mesh) it prints the compile time, the
+per-device memory the compiler assigned (arguments, outputs, temporaries, aliased), its peak with
+what its mesh holds then (the training state, the k + 1 copies of the policy in flight, what is
+alive beside it, named below it), flops and bytes accessed, the compiler's time estimate where it
+gives one (TPU, programs without loops), and the collectives of the optimized HLO; then each mesh's
+peak and resident state. It exits 0 when the step
 fits every target, 1 when a target's peak is over its memory (one line each: which program, how
 much, what to change), 2 on a bad command line or config. Every figure is the compiler's, for
 the real target, not a measurement of a run.
@@ -70,6 +76,7 @@ def format_record(record: dict) -> str:
                 if record.get("slices", 1) > 1 else "") + f", jax {record['jax']}",
              f"{'program':40s} {'compile s':>9s} {'args':>7s} {'out':>7s} {'temp':>7s} {'alias':>7s} {'peak':>7s} "
              f"{'TFLOP':>8s} {'GB read+written':>15s} {'estimate ms':>11s}  collectives (count, GB)"]
+    split = "sampler" in record["meshes"]
     for p in record["programs"]:
         m = p["memory"]
         if p["flops"] and p["loop_free"]:  # XLA:TPU's cost analysis
@@ -81,24 +88,34 @@ def format_record(record: dict) -> str:
         moved = f"{p['hlo_bytes'] / 1e9:15.2f}"
         estimate = f"{p['estimate_s'] * 1e3:11.2f}" if p["estimate_s"] else f"{'-':>11s}"
         coll = ", ".join(f"{k} {v['count']} ({v['bytes'] / 1e9:.2f})" for k, v in p["collectives"].items()) or "-"
-        lines.append(f"{(p['group'] + ' ' + p['name'])[:40]:40s} {p['compile_s']:9.1f} {gib(m['argument'])} "
+        where = ("S " if p["mesh"] == "sampler" else "T ") if split else ""
+        lines.append(f"{(where + p['group'] + ' ' + p['name'])[:40]:40s} {p['compile_s']:9.1f} {gib(m['argument'])} "
                      f"{gib(m['output'])} {gib(m['temp'])} {gib(m['alias'])} {gib(p['peak_bytes_per_device'])} "
                      f"{flops} {moved} {estimate}  {coll}")
+        notes = ([f"runs: {', '.join(p['runs'])}"] if p["runs"] else []) + [
+            f"{name} {size / targets.GIB:.2f} GiB beside" for name, size in p["beside"].items()]
+        if notes:
+            lines.append(f"    ({'; '.join(notes)})")
     fits = "fits" if record["fits"] else "DOES NOT FIT"
-    lines.append(f"peak {record['peak_bytes_per_device'] / targets.GIB:.2f} GiB per device ({record['peak_program']}; "
-                 f"resident state {record['resident_bytes_per_device'] / targets.GIB:.2f} GiB) of "
-                 f"{record['device_memory_bytes'] / targets.GIB:.1f} GiB: {fits}; {len(record['programs'])} programs "
-                 f"compiled in {record['compile_s']:.1f} s")
-    own = record.get("sampler")
-    if own:
-        lines.append(f"split meshes: the trainer on {own['trainer_devices']} devices, peak "
-                     f"{own['trainer_peak_bytes_per_device'] / targets.GIB:.2f} GiB per device; the sampler (the "
-                     f"rollout programs) on {own['devices']}, mesh "
-                     + " x ".join(f"{k}={v}" for k, v in own["mesh"].items()) + f", peak "
-                     f"{own['peak_bytes_per_device'] / targets.GIB:.2f} GiB per device with {own['copies']} policy "
-                     f"copies resident ({own['resident_bytes_per_device'] / targets.GIB:.2f} GiB); one weight sync "
-                     f"moves {own['sync_bytes'] / 1e9:.2f} GB, {own['sync_bytes_per_sampler_device'] / 1e9:.2f} GB "
-                     "into each sampler device")
+    lines.append(f"peak {record['peak_bytes_per_device'] / targets.GIB:.2f} GiB per device ({record['peak_program']}) "
+                 f"of {record['device_memory_bytes'] / targets.GIB:.1f} GiB: {fits}; {len(record['programs'])} "
+                 f"programs compiled in {record['compile_s']:.1f} s")
+    for name, mesh in record["meshes"].items():
+        parts = ", ".join(f"{part} {size / targets.GIB:.2f}" for part, size in mesh["resident"].items())
+        lines.append(f"{'T' if name == 'trainer' else 'S'}: the {name}'s mesh, {mesh['devices']} devices ("
+                     + " x ".join(f"{k}={v}" for k, v in mesh["mesh"].items()) + f", {mesh['processes']} process(es)): "
+                     f"peak {mesh['peak_bytes_per_device'] / targets.GIB:.2f} GiB per device ({mesh['peak_program']}); "
+                     f"resident {mesh['resident_bytes_per_device'] / targets.GIB:.2f} GiB ({parts})")
+    copies = record["copies"]
+    each = copies["bytes_per_device"] / targets.GIB
+    held = (f"{copies['versions']} copies of the policy ({copies['dtype']}, {each:.2f} GiB per device each) on the "
+            f"{'sampler' if copies['own_mesh'] else 'trainer'}'s mesh" if copies["versions"]
+            else "the sampler reads the trainer's parameters (no copy)")
+    old = "recomputed by the trainer" if copies["recompute_old_logprobs"] else "the sampler's log-probs"
+    lines.append(f"max_staleness {copies['max_staleness']}: {held}; pi_old {old}")
+    for t in copies["transfers"]:
+        lines.append(f"one weight sync moves {t['bytes'] / 1e9:.2f} GB, {t['bytes_per_sampler_device'] / 1e9:.2f} GB "
+                     f"into each sampler device, from {t['from']} ({t['name']})")
     lines.append("(compiler figures for the target, not a run: GiB and GB per device; TFLOP and the estimate from "
                  "XLA's cost analysis, for programs without loops; TFLOP* (GPU, which has no cost analysis) the matrix "
                  "FLOPs and GB read+written counted from the optimized HLO, layer loops multiplied, a decode loop's "

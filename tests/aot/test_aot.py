@@ -565,33 +565,176 @@ def test_the_sampler_weights_count_in_every_rollout_programs_peak():
     assert programs["sampling"]["collectives"]["all-gather"]["count"] > 0  # gathered once per rollout
 
 
-def test_split_meshes_compile_each_side_with_its_own_resident_state():
-    """8 H100s as 4 + 4 (``rollout.devices=4``, k = 1): the rollouts compile on the sampler's 4 with
-    its copies resident, max(1, k) + 1 = 2 of the trained weights in the compute dtype, each whole
-    (the sampler's mesh is data=4); one sync moves the weights once, counted here from the model's
-    own parameter shapes."""
-    import math
+def _params_per_device(shards: int) -> float:
+    """The embedded model's parameters per device over ``shards`` fsdp devices, counted from its shape:
+    every weight split, except the norms and the attention biases (no dimension that fsdp shards)."""
+    from arlopti_jax.embedded.start_point import SCALES, model_config
 
-    import jax.numpy as jnp
+    cfg = model_config(SCALES["cpu"], SCALES["cpu"]["vocab_size"])
+    replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * (
+        cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return (cfg.num_params() - replicated) / shards + replicated
+
+
+def test_colocated_k1_keeps_a_copy_per_version_and_the_sampler_state_beside_the_update():
+    """8 H100s colocated at max_staleness 1, float32 weights, no KL: the step copies its version
+    (``sampler_copy``) and checks the copy (``fingerprint`` of each side), and 2 copies (k + 1) of the
+    float32 weights stay resident beside the parameters and AdamW state: 5 x 4 bytes per parameter
+    per device, counted from the model's shape. pi_old is the trainer's pass (the only log-prob pass,
+    with the KL off). The update's programs run between the sampler's (after its first decode loop),
+    so its copy of the weights and that loop's state count beside them."""
+    from arlopti_jax.aot import copies
+    from arlopti_jax.aot.check import check
+
+    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False, "rollout.max_staleness": 1,
+                             "model.dtype": "bfloat16"})
+    record = check(config, targets.get("h100x8"))
+    per_device = _params_per_device(8)
+    programs = record["programs"]
+    sync = [(p["name"], p["runs"]) for p in programs if p["group"] == "sync"]
+    assert sync == [("sampler_copy", ["the version's copy"]), ("fingerprint", ["what the trainer sent"]),
+                    ("fingerprint", ["the sampler's copy"])]
+    assert [p["runs"] for p in programs if p["group"] == "logprobs"] == [["pi_old"]]
+    trainer = record["meshes"]["trainer"]
+    assert list(record["meshes"]) == ["trainer"] and record["copies"]["versions"] == 2
+    assert 0 <= trainer["resident_bytes_per_device"] - 20 * per_device < 64  # + AdamW's scalars
+    assert trainer["resident"]["copies of 2 policy versions"] == 8 * per_device
+    copy = next(p for p in programs if p["name"] == "sampler_copy")  # the second copy is its output
+    assert copy["resident"] == trainer["resident_bytes_per_device"] - 4 * per_device
+    rollout = [p for p in programs if p["group"] == "rollout"]
+    weights, decode = rollout[0], next(p for p in rollout if p["name"].startswith("decode"))
+    for p in programs:
+        if p["group"] == "update":
+            assert p["beside"] == {"the sampler's weights": weights["memory"]["output"],
+                                   copies.FIRST_DECODE: decode["memory"]["output"]}, p
+        m = p["memory"]
+        assert p["peak_bytes_per_device"] == (p["resident"] - p["resident_args"] + sum(p["beside"].values())
+                                              + m["argument"] + m["output"] - m["alias"] + m["temp"])
+        assert p["peak_bytes_per_device"] >= 20 * per_device + sum(p["beside"].values())
+    assert trainer["peak_bytes_per_device"] == max(p["peak_bytes_per_device"] for p in programs)
+
+
+def test_split_meshes_compile_each_side_with_its_own_resident_state():
+    """8 H100s as 4 + 4 (``rollout.devices=4``, k = 1, float32 weights and bfloat16 compute): the weight
+    sync casts on the trainer's 4 (``sampler_cast``), checks what it sent there and what arrived on
+    the sampler's 4; the rollouts compile there with k + 1 = 2 copies resident, each whole in
+    bfloat16 (the sampler's mesh is data=4), counted here from the model's shape. The cast copy's
+    transfer is not waited for, so it counts beside the trainer's log-prob (and update) programs."""
+    from arlopti_jax.aot import copies
+    from arlopti_jax.aot.check import check
+
+    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False, "model.dtype": "bfloat16"})
+    config.rollout.devices, config.rollout.max_staleness, config.train.micro_batch = 4, 1, 4
+    record = check(config, targets.get("h100x8"), groups=("sync", "rollout", "logprobs"))
+    trainer, sampler = record["meshes"]["trainer"], record["meshes"]["sampler"]
+    assert (trainer["devices"], trainer["mesh"]) == (4, {"data": 1, "fsdp": 4, "tensor": 1})
+    assert (sampler["devices"], sampler["mesh"]) == (4, {"data": 4, "fsdp": 1, "tensor": 1})
+    whole = 2 * _params_per_device(1)  # bfloat16
+    (transfer,) = record["copies"]["transfers"]
+    assert transfer["bytes"] == transfer["bytes_per_sampler_device"] == whole
+    assert record["copies"]["versions"] == 2 and sampler["resident"] == {"copies of 2 policy versions": 2 * whole}
+    programs = record["programs"]
+    sync = [(p["mesh"], p["name"]) for p in programs if p["group"] == "sync"]
+    assert sync == [("trainer", "sampler_cast"), ("trainer", "fingerprint"), ("sampler", "fingerprint")]
+    cast = 2 * _params_per_device(4)
+    for p in programs:
+        assert p["mesh"] == ("sampler" if p["group"] == "rollout" or p["runs"] == ["the sampler's copy"]
+                             else "trainer")
+        if p["group"] == "logprobs":
+            assert p["beside"] == {copies.IN_FLIGHT: pytest.approx(cast, abs=1024)}, p  # + the output's tables
+    start = next(p for p in programs if p["name"].startswith("start"))
+    m = start["memory"]
+    assert start["peak_bytes_per_device"] == (2 * whole + start["beside"]["the sampler's weights"] + m["argument"]
+                                              + m["output"] - m["alias"] + m["temp"])
+    for name, mesh in record["meshes"].items():
+        assert mesh["peak_bytes_per_device"] == max(p["peak_bytes_per_device"] for p in programs if p["mesh"] == name)
+
+
+class _Collector:
+    """A stand-in for ``rl/collect.Collector``: samples nothing (the copies are what is under test)."""
+
+    def steps(self, params, iterator, key):
+        return "batch"
+        yield
+
+
+class _Prompts:
+    def state_dict(self):
+        return {"epoch": 0}
+
+
+@pytest.mark.parametrize("devices, k, dtype", [(0, 1, "float32"), (4, 1, "bfloat16"), (4, 0, "float32"),
+                                               (0, 2, "bfloat16")],
+                         ids=["colocated-k1", "split-k1-cast", "split-k0", "colocated-k2"])
+def test_the_copies_aot_lists_are_the_programs_the_sampling_loop_compiles(devices, k, dtype):
+    """The sampling loop itself (``rl/pipeline.py``'s ``Pipeline``, a stand-in collector) run for 5
+    steps on this machine's 8 devices with the run's parameter shapes: the programs it compiles to copy
+    and check each version are those ``aot --target=local`` lists for the config (by name, each as
+    often), and the most copies it holds at once are the versions aot counts resident."""
+    import collections
 
     import jax
+    import numpy as np
 
-    from arlopti_jax.aot.check import check, model_shape
-    from arlopti_jax.models import abstract_params
+    from arlopti_jax.aot.check import check, prepare
+    from arlopti_jax.models import abstract_params, lora, param_shardings
+    from arlopti_jax.rl import pipeline, run_setup
+    from arlopti_jax.runtime import compiles
+    from arlopti_jax.store.metrics import Timer
 
-    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False})
-    config.rollout.devices, config.rollout.max_staleness, config.train.micro_batch = 4, 1, 4
-    record = check(config, targets.get("h100x8"), groups=("rollout", "update"))
-    own = record["sampler"]
-    assert (own["devices"], own["trainer_devices"], own["mesh"]) == (4, 4, {"data": 4, "fsdp": 1, "tensor": 1})
-    assert record["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
-    cfg = model_shape(config)[0]
-    itemsize = jnp.dtype(cfg.compute_dtype).itemsize
-    want = sum(math.prod(x.shape) * itemsize for x in jax.tree.leaves(abstract_params(cfg)))
-    assert own["sync_bytes"] == own["sync_bytes_per_sampler_device"] == want
-    assert own["copies"] == 2 and own["resident_bytes_per_device"] == 2 * want
-    rollout = [p for p in record["programs"] if p["group"] == "rollout"]
-    start = next(p for p in rollout if p["name"].startswith("start"))
-    assert start["peak_bytes_per_device"] >= own["resident_bytes_per_device"]  # the copies, beside the cache
-    assert own["trainer_peak_bytes_per_device"] == max(p["peak_bytes_per_device"] for p in record["programs"]
-                                                       if p["group"] == "update")
+    config = small_config(**{"model.unroll_layers": False, "model.dtype": dtype, "rollout.max_staleness": k})
+    config.rollout.devices, config.train.micro_batch = devices, 4 if devices else 8
+    target = targets.get("local")
+    record = check(config, target, groups=("sync",))
+    listed = collections.Counter(p["name"] for p in record["programs"])
+    mesh, (cfg, *_) = prepare(config, target)
+    sampler_mesh = run_setup.make_sampler_mesh(config, targets.devices(target))
+    zeros = lambda shardings: jax.tree.map(lambda a, sh: jax.device_put(np.zeros(a.shape, a.dtype), sh),
+                                           abstract_params(cfg), shardings)
+    trained, frozen = lora.trainable(cfg, zeros(param_shardings(cfg, mesh)))
+    shardings = None if sampler_mesh is None else lora.trainable(cfg, param_shardings(cfg, sampler_mesh))[0]
+    loop = pipeline.Pipeline(_Collector(), Timer(), _Prompts(), jax.random.key(0), k, 5, frozen, shardings,
+                             pipeline.sync_dtype(cfg) if shardings is not None else None)
+    log = compiles.watch()
+    names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(trained)]
+    compiled, most = [], 0
+    mark = log.programs
+    loop.snapshot(0, trained)
+    compiled += log.since(mark)
+    loop.start(0)
+    for step in range(5):
+        mark = log.programs
+        loop.advance(step, trained)
+        compiled += log.since(mark)
+        most = max(most, len(loop.snapshots))
+        loop.take(step)
+        pipeline.run_together(loop.ahead(step))
+        loop.verify(step, names)
+        loop.release(step + 1)
+    assert collections.Counter(r.name[4:-1] for r in compiled) == listed, (compiled, listed)
+    assert most == record["copies"]["versions"] == (k + 1 if k or devices else 0)
+
+
+def test_with_several_processes_the_sync_gathers_each_array_whole_on_a_trainer_device():
+    """v5p-64 (8 hosts) as 16 + 16, k = 1, bfloat16 compute: the weight sync casts, then gathers every
+    array a trainer chip holds a part of whole onto it (``whole_on_own_mesh``: the weights in bfloat16
+    but the norms and biases, which are whole already, counted from the model's shape), then checks
+    what it sent; that whole copy and the cast one count beside the trainer's log-prob pass, since
+    nothing waits for their transfer."""
+    from arlopti_jax.aot import copies
+    from arlopti_jax.aot.check import check
+
+    config = small_config(**{"model.unroll_layers": False, "model.dtype": "bfloat16", "rollout.max_staleness": 1})
+    config.rollout.devices, config.train.micro_batch = 16, 16
+    record = check(config, targets.get("v5p-64"), groups=("sync", "logprobs"))
+    assert record["meshes"]["trainer"]["processes"] == record["meshes"]["sampler"]["processes"] == 8
+    programs = {(p["mesh"], p["name"]): p for p in record["programs"]}
+    assert list(programs) == [("trainer", "sampler_cast"), ("trainer", "whole_on_own_mesh"),
+                              ("trainer", "fingerprint"), ("sampler", "fingerprint"), ("trainer", "log-probs 16x64")]
+    whole = 2 * 2 * (_params_per_device(1) - _params_per_device(2))  # bfloat16: every parameter but the whole ones
+    gathered = programs[("trainer", "whole_on_own_mesh")]["memory"]["output"]
+    assert 0 <= gathered - whole < 1024, (gathered, whole)
+    cast = programs[("trainer", "sampler_cast")]["memory"]["output"]
+    assert programs[("trainer", "log-probs 16x64")]["beside"] == {copies.IN_FLIGHT: cast + gathered}
+    assert programs[("trainer", "fingerprint")]["beside"] == {copies.IN_FLIGHT: pytest.approx(gathered, abs=1024)}
+    assert record["copies"]["transfers"][0]["from"] == "each array whole on a trainer device"
