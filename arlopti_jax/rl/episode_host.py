@@ -33,6 +33,7 @@ import numpy as np
 from arlopti_jax.rollout.episodes import EpisodeSampler, EpisodeSpec, TurnEnd, episode_sampler
 from arlopti_jax.rollout.markers import marker_table, token_texts
 from arlopti_jax.rollout.observations import ObservationFormat
+from arlopti_jax.runtime import faults
 from arlopti_jax.tasks import Reward
 from arlopti_jax.tasks.envs import INFO_COUNTS, EnvironmentFactory, StepPool, load_environment
 
@@ -151,6 +152,7 @@ class EpisodeBatch:
         return out[:count]
 
     def answer(self, ends: list[TurnEnd]) -> list[list[int] | None]:
+        faults.point("episode")  # a crash with episodes in flight: a resumed run samples the step again
         texts = self.tokenizer.batch_decode([end.tokens for end in ends], skip_special_tokens=False)
         live = [i for i, end in enumerate(ends) if not self.ended[end.episode]]
         began = time.perf_counter()

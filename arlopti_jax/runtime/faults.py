@@ -25,6 +25,8 @@ The sites, each where the code that owns the file writes it:
     package_file          a package's GGUF file being unpacked into the download cache
     exit                  a stopped or finished trainer about to leave (train.main); with the
                           signal set, it stands for the second SIGTERM ``srun --kill-on-bad-exit`` sends
+    episode               the host about to answer a batch of tool episodes' ended turns, the episodes
+                          in flight in the sampler (episode_host.EpisodeBatch.answer)
 
 ``tests/runtime/test_faults.py`` kills a run at each site and checks that the resumed run's records
 equal the uninterrupted run's.
@@ -39,7 +41,7 @@ from typing import IO
 ENV = "ARLOPTI_FAULT"
 SIGNAL_ENV = "ARLOPTI_FAULT_SIGNAL"
 SITES = ("metrics", "eval", "generations", "checkpoint_write", "checkpoint_commit", "checkpoint_committed",
-         "results", "worker_records", "start_point", "converter", "package_file", "exit")
+         "results", "worker_records", "start_point", "converter", "package_file", "exit", "episode")
 _passes: dict[str, int] = {}
 
 
