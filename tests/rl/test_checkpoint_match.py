@@ -68,13 +68,14 @@ def test_resuming_under_another_setting_is_refused_and_loses_no_record(lora_run,
 def test_a_full_weights_checkpoint_of_another_model_is_refused_by_its_shapes(start_point, tmp_path):
     values = overrides(start_point, tmp_path / "run")
     _checkpoint(values)
-    other = tmp_path / "other_model"
-    other.mkdir()
-    for f in (start_point / "model").iterdir():
-        (other / f.name).write_bytes(f.read_bytes())
-    spec = json.loads((other / "config.json").read_text())
-    spec["intermediate_size"] *= 2
-    (other / "config.json").write_text(json.dumps(spec))
+    # another model: the start point's with twice its MLP width, a whole folder (weights as config.json says)
+    from arlopti_jax.models import ModelConfig, init_params, save_pretrained
+    from arlopti_jax.runtime import sharding as shd
+
+    cfg = ModelConfig.from_pretrained(start_point / "model")
+    cfg = cfg.replace(intermediate_size=2 * cfg.intermediate_size)
+    other = save_pretrained(cfg, init_params(cfg, jax.random.key(1), shd.make_mesh({"fsdp": -1})),
+                            tmp_path / "other_model", tokenizer_dir=start_point / "model")
     with pytest.raises(ValueError, match=r"the parameters of checkpoint .*/2 .* does not match this run: "
                                          r"layers/mlp/\w+ is float32\[.*\] there, float32\[.*\] here"):
         run_setup.prepare_inputs(make_config({**values, "model.path": str(other), "resume": "auto"}))
