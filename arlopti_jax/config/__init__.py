@@ -7,9 +7,9 @@ differs. ``validate`` runs at start-up and raises ``ConfigError`` naming the fie
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import json
 import math
+from pathlib import Path
 
 import ml_collections
 from ml_collections import config_dict
@@ -98,6 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_kl = 0.5  # stop the run where the sampler's log-probs are this far (KL) from pi_old; 0 = never
     # the sampler's own devices: 0 = the trainer's mesh (colocated); N = the last N / processes of each process's
     c.rollout.devices = 0
+    c.rollout.hosts = 0  # sampler hosts of their own: the last N processes sample with all their devices (rl/hosts.py)
     c.rollout.mesh = ml_collections.ConfigDict()  # the sampler's mesh over those devices (rollout.devices > 0)
     c.rollout.mesh.data = -1
     c.rollout.mesh.fsdp = 1
@@ -185,6 +186,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.timeout_s = 10.0
     # a response counts as correct when its score >= this; None: the reward's `acc`, else the task's full score
     c.reward.correct_at = config_dict.placeholder(float)
+
+    # tool episodes (rl/episode_host.py): the policy calls an environment's tools over several turns
+    c.env = ml_collections.ConfigDict()
+    c.env.name = ""  # "" = single-turn responses; a built-in environment (calc) or 'package.module:Name'
+    c.env.params = ""  # the environment's parameters as a JSON object; "" = its defaults
+    c.env.max_turns = 4  # turns per episode (each ends at a tool call's close, an EOS or turn_tokens)
+    c.env.turn_tokens = 256  # the policy's tokens per turn
+    c.env.observation_tokens = 128  # tokens per observation (longer ones are cut, with a marker)
+    c.env.observation_format = ""  # "" = the chat template's tool message; or text around {observation}
+    c.env.step_timeout_s = 60.0  # the environments' resets or steps of one turn's episodes, at most
+    c.env.workers = 32  # threads that run the environments' steps
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
@@ -317,12 +329,18 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     _check(type(k) is int and k >= 0, "rollout.max_staleness", k,
            "must be an integer >= 0 (0 = on-policy; k = the update of step t consumes the batch sampled by the "
            "policy of step t - k)")
-    _check(c.rollout.correction == "none" or k >= 1 or c.rollout.recompute_old_logprobs or c.rollout.devices,
+    _check(c.rollout.correction == "none" or k >= 1 or c.rollout.recompute_old_logprobs or c.rollout.devices
+           or c.rollout.hosts,
            "rollout.correction", c.rollout.correction, "corrects pi_old against the sampler's log-probs, and with "
            "rollout.max_staleness=0, rollout.devices=0 and rollout.recompute_old_logprobs=False pi_old may be the "
            "sampler's: set one of them, or correction='none'")
     _check(math.isfinite(c.rollout.max_kl) and c.rollout.max_kl >= 0, "rollout.max_kl", c.rollout.max_kl,
            "must be a finite number >= 0 (0 = no bound)")
+    _check(type(c.rollout.hosts) is int and c.rollout.hosts >= 0, "rollout.hosts", c.rollout.hosts,
+           "must be an integer >= 0 (0 = the sampler shares the trainer's hosts)")
+    _check(not c.rollout.hosts or not c.rollout.devices, "rollout.hosts", c.rollout.hosts,
+           f"cannot be set beside rollout.devices={c.rollout.devices}: the sampler has either hosts of its own or "
+           "devices of every host")
     _check(math.isfinite(c.rollout.tis_cap) and c.rollout.tis_cap >= 1, "rollout.tis_cap", c.rollout.tis_cap,
            "must be a finite number >= 1 (the cap on pi_old / pi_behaviour, whose on-policy value is 1)")
     _check(math.isfinite(c.rollout.seq_mask_bound) and c.rollout.seq_mask_bound > 1, "rollout.seq_mask_bound",
@@ -341,6 +359,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
     loggers = [name for name in str(c.train.loggers).split(",") if name]
     _check(set(loggers) <= set(LOGGERS) and len(set(loggers)) == len(loggers), "train.loggers", c.train.loggers,
            f"comma-separated names from {','.join(LOGGERS)}, each once ('' = metrics.jsonl alone)")
+    _validate_env(c)
 
     _check(c.mesh.dcn_data == -1 or c.mesh.dcn_data >= 1, "mesh.dcn_data", c.mesh.dcn_data,
            "must be -1 (every slice) or a slice count >= 1")
@@ -359,6 +378,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
             raise ConfigError(f"config.rollout.mesh={dict(c.rollout.mesh)} is invalid for the sampler's "
                               f"rollout.devices={split}: {err}") from None
         num_devices -= split  # the trainer's
+    if c.rollout.hosts and num_devices is not None:
+        num_devices //= 2  # the trainer's hosts hold half the job's devices (rl/hosts.roles checks the split)
     if num_devices is not None:
         from arlopti_jax.runtime.sharding import mesh_sizes
         try:
@@ -370,6 +391,41 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, platf
         per = sizes["data"] * sizes["fsdp"]
         _check(not sized_by_rows or t.micro_batch % per == 0, "train.micro_batch", t.micro_batch,
                f"must be divisible by the mesh's data x fsdp = {per} (batch is split over those axes)")
+
+
+def _validate_env(c: ml_collections.ConfigDict) -> None:
+    """``env.*``; with ``env.name`` set, the environment is made once (a bad name, module or parameter
+    stops here: ``tasks.envs.load_environment``) and its stop string checked."""
+    e = c.env
+    for field in ("max_turns", "turn_tokens", "observation_tokens", "workers"):
+        _check(type(e[field]) is int and e[field] >= 1, f"env.{field}", e[field], "must be an integer >= 1")
+    _check(e.step_timeout_s > 0, "env.step_timeout_s", e.step_timeout_s, "must be > 0")
+    _check(not e.observation_format or e.observation_format.count("{observation}") == 1, "env.observation_format",
+           e.observation_format, "must hold {observation} once, where the tool's output goes ('' = the chat "
+           "template's tool message)")
+    if not e.name:
+        return
+    from arlopti_jax.rollout.markers import check_marker
+    from arlopti_jax.tasks.envs import load_environment
+
+    r = c.rollout.max_response_length
+    _check(e.turn_tokens <= r, "env.turn_tokens", e.turn_tokens,
+           f"must be at most rollout.max_response_length = {r} (an episode's tokens after the prompt, in all)")
+    _check(e.observation_tokens < r, "env.observation_tokens", e.observation_tokens,
+           f"must be below rollout.max_response_length = {r}")
+    _check(not c.rollout.stop, "rollout.stop", c.rollout.stop, "must be () with env.name: an episode's turns end at "
+           "the environment's own stop string")
+    try:
+        params = json.loads(e.params or "{}")
+    except ValueError as err:
+        raise ConfigError(f"config.env.params={e.params!r} is invalid: not JSON ({err})") from None
+    _check(isinstance(params, dict), "env.params", e.params, "must be a JSON object of the environment's parameters")
+    factory = load_environment(e.name, params, field="config.env.name")  # EnvironmentLoadError: a ConfigError
+    stops = factory.stop_strings
+    _check(len(stops) == 1, "env.name", e.name, f"the environment's stop_strings {stops!r} must be one string, the "
+           "close of a tool call (where a turn ends)")
+    problem = check_marker(stops[0])
+    _check(problem is None, "env.name", e.name, f"the environment's stop string {stops[0]!r} {problem}")
 
 
 def field_paths(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:

@@ -110,6 +110,11 @@ FIELD_DOCS = {
                        "LoRA the adapters alone) and checked there (checksums on both sides). With max_staleness >= 1 "
                        "the sampler's and the trainer's devices compute at once, on one process or many "
                        "(rl/pipeline.py); at 0 they take turns",
+    "rollout.hosts": "sampler hosts of their own: of P processes the last N sample on all their devices and the "
+                     "first P - N train on theirs (N = P / 2: JAX moves arrays across processes between meshes of one "
+                     "shape, so the sampler's mesh mirrors the trainer's `mesh.*`); every step the weights cross by "
+                     "cross-process device_put (checked by checksums), the batch back; with max_staleness >= 1 the "
+                     "two sides compute at once (rl/hosts.py); 0 = the sampler shares the trainer's hosts",
     "rollout.mesh.data": "the sampler's mesh (rollout.devices > 0): data-parallel axis size (-1 = the rest)",
     "rollout.mesh.fsdp": "the sampler's mesh: fsdp axis size (-1 = the rest)",
     "rollout.mesh.tensor": "the sampler's mesh: tensor-parallel axis size (-1 = the rest)",
@@ -254,6 +259,29 @@ FIELD_DOCS = {
     "reward.correct_at": "what counts as correct in `acc/*`, the evaluation's accuracies, pass@k and maj@k: a score "
                          ">= this; unset: the reward's own `acc` where it returns a verl-style dict, else the task's "
                          "full score (K&K 3, every other source 1); a response whose scoring failed is never correct",
+    "env.name": "tool episodes (docs/guides/tools.md): `\"\"` = single-turn responses; a built-in environment "
+                "(`calc`: the exact calculator on tasks.calc's problems) or a user's class or factory, "
+                "`package.module:Name`; each episode's reward is the sum of its environment's reward parts, and the "
+                "loss reads the policy's own tokens alone (the action mask: observations are 0)",
+    "env.params": "the environment's parameters as a JSON object, e.g. `{\"call_style\": \"text\", "
+                  "\"call_open\": \"<calc>\", \"call_close\": \"</calc>\"}` for a template without tools; "
+                  "`\"\"` = its defaults",
+    "env.max_turns": "turns per episode: the environment's answer to the last one ends it",
+    "env.turn_tokens": "the policy's tokens per turn; a turn also ends at the environment's stop string (a tool "
+                       "call's close, matched on device in any tokenization) or an EOS. "
+                       "`rollout.max_response_length` caps the episode's tokens after the prompt, observations "
+                       "included",
+    "env.observation_tokens": "tokens per observation, its frame included; a longer one is cut to fit, ending in "
+                              "` [... cut]`",
+    "env.observation_format": "`\"\"`: each observation is the chat template's tool message (the template must "
+                              "support tools: Qwen2.5, Qwen3); for a template without (SmolLM2) the plain text "
+                              "around the tool's output that the warm start teaches, with `{observation}` where it "
+                              "goes, e.g. `\\n<output>{observation}</output>\\n`; an empty one with such a "
+                              "template stops at start-up",
+    "env.step_timeout_s": "seconds the environments' steps (or resets) of one turn's waiting episodes may take in "
+                          "all; an episode still running then ends with reward 0 (`episode/env_errors`)",
+    "env.workers": "threads that run the environments' resets and steps at once (the tools are subprocesses or "
+                   "fast Python)",
     "mesh.data": "data-parallel mesh axis size (-1 = the rest of the devices; of one slice's over several "
                  "TPU slices, see mesh.dcn_data)",
     "mesh.fsdp": "fully sharded data-parallel mesh axis size (-1 = the rest)",

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arlopti_jax.models import lora
+from arlopti_jax.rl import copy_programs
 from arlopti_jax.runtime import sharding as shd
 
 
@@ -226,12 +227,7 @@ class Pipeline:
             self.snapshots[version] = snap = Snapshot(version, trained)
             return snap
         if self._copy is None:
-            shardings = jax.tree.map(lambda x: x.sharding, trained)
-
-            def sampler_copy(tree):  # named: the compile log shows it
-                return jax.tree.map(jnp.copy, tree)
-
-            self._copy = jax.jit(sampler_copy, out_shardings=shardings)
+            self._copy = copy_programs.copy_program(trained)
         copy = jax.block_until_ready(self._copy(trained))  # made before the update donates ``trained``
         return self._keep(version, trained, copy)
 
@@ -243,11 +239,7 @@ class Pipeline:
         began = time.perf_counter()
         if cast and self.dtype is not None:
             if self._copy is None:
-                def sampler_cast(tree, dtype=self.dtype):  # named: the compile log shows it
-                    return jax.tree.map(lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w,
-                                        tree)
-
-                self._copy = jax.jit(sampler_cast, out_shardings=jax.tree.map(lambda x: x.sharding, trained))
+                self._copy = copy_programs.cast_program(trained, self.dtype)
             trained = jax.block_until_ready(self._copy(trained))  # made before the update donates the source
             params = shd.transfer(trained, self.shardings)  # dispatched: the update goes on beside it
         else:  # the trainer's own arrays are read: copied before the update donates them

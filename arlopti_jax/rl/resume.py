@@ -44,9 +44,9 @@ def stored_config(meta: dict) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(json.loads(meta.get("config", "{}")))
 
 
-def checkpointer(config) -> Checkpointer:
+def checkpointer(config, processes: set[int] | None = None) -> Checkpointer:
     return Checkpointer(paths.path(config.run_dir, "config.run_dir") / "checkpoints",
-                        max_to_keep=config.train.keep_checkpoints)
+                        max_to_keep=config.train.keep_checkpoints, processes=processes)
 
 
 def check_resume(config, ckpt: Checkpointer | None = None) -> None:

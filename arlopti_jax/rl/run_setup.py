@@ -29,6 +29,7 @@ from arlopti_jax.runtime.startup import ConfigError
 from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
 from arlopti_jax.models.hf import check_weights
 from arlopti_jax.models.tokenizer import load_tokenizer  # TokenizerError: none there, unreadable, or too large
+from arlopti_jax.rl import hosts
 from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings, saved_state
 from arlopti_jax.store import trackers
 from arlopti_jax.rollout import Sampler, SamplingConfig
@@ -199,15 +200,24 @@ def split_devices(config, devices=None) -> tuple[list, list]:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The run's meshes, made once per command (``make_layout``) and handed down: the trainer's, and
-    the sampler's own (None: it shares the trainer's)."""
+    the sampler's own (None: it shares the trainer's); ``roles``: with sampler hosts of their own
+    (``rollout.hosts``), which processes train and which sample (``rl/hosts.py``)."""
 
     mesh: jax.sharding.Mesh
     sampler_mesh: jax.sharding.Mesh | None
+    roles: hosts.Roles | None = None
 
 
 def make_layout(config, devices=None) -> Layout:
-    """``make_mesh`` and ``make_sampler_mesh`` of ``devices`` (default: every device of the job)."""
-    return Layout(make_mesh(config, devices), make_sampler_mesh(config, devices))
+    """``make_mesh`` and ``make_sampler_mesh`` of ``devices`` (default: every device of the job); with
+    ``rollout.hosts``, the trainer's mesh over the trainer hosts' devices and the sampler's its mirror
+    over the sampler hosts' (``hosts.mirror_mesh``). ConfigError for a split the job cannot hold."""
+    devices = list(jax.devices() if devices is None else devices)
+    roles = hosts.roles(config, len({d.process_index for d in devices}))
+    if roles is None:
+        return Layout(make_mesh(config, devices), make_sampler_mesh(config, devices))
+    mesh = dist.process_contiguous(shd.make_mesh(dict(config.mesh), devices=hosts.trainer_devices(roles, devices)))
+    return Layout(mesh, hosts.mirror_mesh(mesh, roles, devices), roles)
 
 
 def make_mesh(config, devices=None):

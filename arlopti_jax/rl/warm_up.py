@@ -19,28 +19,32 @@ from __future__ import annotations
 import logging
 import time
 
+from arlopti_jax.rl.episode_host import rollout_programs
 from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import sharding as shd
 
 log = logging.getLogger("arlopti_jax.train")
 
 
-def compile_rollouts(run, evaluator, params, key, rollout_params=None, rollout_key=None) -> int:
+def compile_rollouts(run, evaluator, params, key, rollout_params=None, rollout_key=None,
+                     with_rollouts: bool = True) -> int:
     """Compile the sampler's programs of ``run``'s rollouts and of ``evaluator``'s evaluations for
     ``params`` (the trainer's arrays: their shapes and shardings) and ``key`` (a key made as the
     steps' and the evaluations' are, ``fold_in`` of the run's key: its sharding is theirs). With the
     sampler's own mesh (``run.rollout_sampler``), its rollouts' for ``rollout_params`` and
-    ``rollout_key``, the sampler's copies there. Returns how many programs were compiled or loaded
-    from the persistent cache (none when this process has compiled them already)."""
+    ``rollout_key``, the sampler's copies there. With sampler hosts of their own (rl/hosts.py) a
+    trainer host compiles no rollouts (``with_rollouts=False``) and a sampler host no evaluations
+    (``evaluator`` None). Returns how many programs were compiled or loaded from the persistent cache
+    (none when this process has compiled them already)."""
     c = run.config
-    params = compiles.abstract(params)
+    params = compiles.abstract(params) if params is not None else None
     sampling = run.sampling()
     rollouts = run.rollout_sampler
     own = rollouts is not run.sampler
-    rollout = rollouts.schedule(compiles.abstract(rollout_params) if own else params, c.train.batch_prompts,
-                                sampling.prompt_width, c.rollout.n, sampling,
-                                key=compiles.abstract(rollout_key if own else key))
-    schedules = ([] if own else [rollout]) + evaluator.schedules(params, key)
+    rollout = [] if not with_rollouts else rollout_programs(c, rollouts).schedule(  # with env.name, the episodes'
+        compiles.abstract(rollout_params) if own else params, c.train.batch_prompts, sampling.prompt_width,
+        c.rollout.n, sampling, key=compiles.abstract(rollout_key if own else key))
+    schedules = ([] if own else [rollout]) + (evaluator.schedules(params, key) if evaluator is not None else [])
     compile_log = compiles.watch()
     mark, started = compile_log.programs, time.perf_counter()
     if own:

@@ -133,6 +133,19 @@ class PromptBatch:
 
 
 
+def in_context(steps, context):
+    """The generator ``steps`` run with ``context()`` entered around each of its turns and left before
+    each of its yields: a context (a mesh, sharding rules) entered inside a generator would otherwise
+    stay in force while the code it yields to runs."""
+    while True:
+        with context():
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+        yield
+
+
 def drain(steps):
     """Run a generator of ``decode_steps``' kind to its end; its return value."""
     while True:
@@ -198,6 +211,7 @@ class Sampler:
                            f"{', '.join(split)} axes, and the fused products take whole weights: the decode steps "
                            "use XLA's products (rollout.whole_weights=on or a mesh without those splits keeps them)")
         self.devices = shd.batch_divisor(mesh)
+        self.processes = dist.mesh_processes(mesh)  # the processes that launch its programs (and gather among)
         per_layer = programs.per_layer_cache(mesh.devices.flat[0].platform)  # straight-line layers
         # every program's outputs in the shardings its constraints give them, named: left to the
         # compiler, a 1-device mesh's outputs come back as P('tensor', 'fsdp') from one program and
@@ -286,7 +300,7 @@ class Sampler:
         """(prompt width, global rows, this process's rows). Several processes agree on the
         width and on a global row count laid out as in one process (see ``process_share``), that
         of at least ``pad_to`` prompts."""
-        procs = jax.process_count()
+        procs = self.processes
         if procs > 1:
             counts, longests = dist.gather(np.array([count]), np.array([longest]))
             total, longest, count = int(counts.sum()), int(longests.max()), int(counts.max())
@@ -304,20 +318,20 @@ class Sampler:
         """This process's prompts of a global list of ``num_prompts``, chosen so the global
         padded batch (that of at least ``pad_to`` prompts: ``generate``) is laid out as one process
         would (the same samples; eval uses this). All of them with one process."""
-        if jax.process_count() == 1:
+        if self.processes == 1:
             return slice(0, num_prompts)
         div = shd.batch_divisor(self.mesh)
         rows = batch_rows(max(num_prompts, pad_to, 1), sampling, div)
         index = shd.batch_sharding(self.mesh, 1).addressable_devices_indices_map((rows,))
         start = min(s[0].indices(rows)[0] for s in index.values())
-        return slice(min(start, num_prompts), min(start + rows // jax.process_count(), num_prompts))
+        return slice(min(start, num_prompts), min(start + rows // self.processes, num_prompts))
 
     def pad_prompts(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                     pad_to: int = 0) -> PromptBatch:
         """Left-pad ``prompts`` (this process's, in a multi-process run: every process calls
         this with its own, possibly none) to the bucketed batch, that of ``pad_to`` prompts (all
         processes') where that is more."""
-        if not prompts and jax.process_count() == 1:
+        if not prompts and self.processes == 1:
             raise ValueError("generate: prompts is empty")
         lengths = [len(p) for p in prompts]
         if lengths and min(lengths) < 1:
@@ -398,34 +412,39 @@ class Sampler:
     def decode_steps(self, params, state: DecodeState, key: Array, sampling: SamplingConfig):
         """``decode`` as a generator: it yields after dispatching each decode loop, before the host
         reads that loop's two numbers (the only wait), so that the caller can dispatch other programs
-        meanwhile (``rl/pipeline.py``, ``run_together``); it returns the ``Decoded``."""
+        meanwhile (``rl/pipeline.py``, ``run_together``); it returns the ``Decoded``. The sampler's mesh
+        and rules are in force during its turns alone (``in_context``), never across a yield, where
+        the other programs are traced."""
+        return (yield from in_context(self._decode_loops(params, state, key, sampling),
+                                      lambda: shd.activate(self.mesh, self.rules)))
+
+    def _decode_loops(self, params, state: DecodeState, key: Array, sampling: SamplingConfig):
         temperature, top_p, eos, greedy = self._traced_settings(sampling)
         ends = sampling.phase_ends()
         phase, out, loops = 0, None, []
         max_len = sampling.max_response_len
-        with shd.activate(self.mesh, self.rules):
-            while True:
-                rows = state.finished.shape[0] // self.devices
-                # leave the loop once the busiest device's live rows fit the next smaller bucket
-                compacts = sampling.length_aware and sampling.min_rows <= _half(rows) < rows
-                compact_at = np.int32(_half(rows) if compacts else 0)
-                state, status = self._decode(params, state, key, temperature, top_p, eos, compact_at,
-                                             kernel=sampling.kernel_key, greedy=greedy)
-                yield  # the loop is dispatched; its status is read next
-                step, busiest = (int(v) for v in dist.to_host(status))
-                loops.append((rows, state.kv_mask.shape[1], step))
-                if step >= max_len or busiest == 0:
-                    break
-                # halving, one bucket at a time, makes one program per (bucket, phase) rather
-                # than per (bucket, bucket, phase); the rows kept are the same
-                while rows > self._row_bucket(busiest, rows, sampling):
-                    rows = _half(rows)
-                    state, out = self._compact(state, out, rows=rows)
-                if step >= ends[phase]:  # the cache is full: grow it to the next phase's
-                    phase += 1
-                    state = self._grow(state, slots=state.kv_mask.shape[1] + ends[phase] - ends[phase - 1])
-            final = {name: getattr(state, name) for name in OUTPUTS} if out is None else self._scatter(
-                out, row_fields(state))
+        while True:
+            rows = state.finished.shape[0] // self.devices
+            # leave the loop once the busiest device's live rows fit the next smaller bucket
+            compacts = sampling.length_aware and sampling.min_rows <= _half(rows) < rows
+            compact_at = np.int32(_half(rows) if compacts else 0)
+            state, status = self._decode(params, state, key, temperature, top_p, eos, compact_at,
+                                         kernel=sampling.kernel_key, greedy=greedy)
+            yield  # the loop is dispatched; its status is read next
+            step, busiest = (int(v) for v in dist.to_host(status))
+            loops.append((rows, state.kv_mask.shape[1], step))
+            if step >= max_len or busiest == 0:
+                break
+            # halving, one bucket at a time, makes one program per (bucket, phase) rather
+            # than per (bucket, bucket, phase); the rows kept are the same
+            while rows > self._row_bucket(busiest, rows, sampling):
+                rows = _half(rows)
+                state, out = self._compact(state, out, rows=rows)
+            if step >= ends[phase]:  # the cache is full: grow it to the next phase's
+                phase += 1
+                state = self._grow(state, slots=state.kv_mask.shape[1] + ends[phase] - ends[phase - 1])
+        final = {name: getattr(state, name) for name in OUTPUTS} if out is None else self._scatter(
+            out, row_fields(state))
         return Decoded(**final, steps=step, loops=tuple(loops))
 
     def schedule(self, params, prompts: int, longest: int, n: int, sampling: SamplingConfig,

@@ -145,6 +145,21 @@ def _check(coordinator, num, pid, need_coordinator: bool) -> None:
                               "0 <= distributed.process_id < num_processes (or SLURM's srun variables)")
 
 
+TRANSFER_PORT_OFFSET = 1000  # the CPU's socket transfers listen on the coordinator's port + this + process id
+
+
+def _socket_transfers(settings: dict) -> None:
+    """With sampler hosts of their own (``rollout.hosts``, rl/hosts.py) on the CPU, which has no
+    interconnect of its own, JAX's cross-process ``device_put`` goes over sockets: each process listens
+    on the coordinator's host at the coordinator's port + ``TRANSFER_PORT_OFFSET`` + its id. A value the
+    user set is kept."""
+    if jax.config.values.get("jax_cross_host_transfer_socket_address") or not settings.get("coordinator_address"):
+        return
+    host, _, port = settings["coordinator_address"].rpartition(":")
+    jax.config.update("jax_cross_host_transfer_socket_address",
+                      f"{host}:{int(port) + TRANSFER_PORT_OFFSET + int(settings.get('process_id') or 0)}")
+
+
 def initialize(config) -> bool:
     """Join the other processes (before any JAX computation), then start JAX's backend without the
     compile-only plugins' driver lines (``chips.start_backend``); True when this is a multi-process run."""
@@ -154,6 +169,8 @@ def initialize(config) -> bool:
     if settings is not None:
         if "cpu" in (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").split(","):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            if config.get("rollout", {}).get("hosts", 0):
+                _socket_transfers(settings)
         jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_s))
     start_backend()
     if settings is None:
@@ -163,10 +180,40 @@ def initialize(config) -> bool:
     return jax.process_count() > 1
 
 
+# ---- the processes this one computes with ----
+# Every process computes with all the others, except in the sampler hosts' layout (``rollout.hosts``,
+# rl/hosts.py), where the trainer's processes and the sampler's each form a group: a batch is split
+# over, and a gather or an agreement taken among, the processes of this one's group (its block,
+# ``global_rows``, ``gather``, ``any_process``), and ``everyone=True`` takes it among all of them.
+_GROUP: tuple[int, ...] | None = None
+
+
+def set_group(processes) -> None:
+    """The processes this one computes with (None: every process)."""
+    global _GROUP
+    _GROUP = None if processes is None else tuple(sorted(processes))
+    if _GROUP is not None and jax.process_index() not in _GROUP:
+        raise ValueError(f"set_group: process {jax.process_index()} is not in its group {_GROUP}")
+
+
+def group() -> tuple[int, ...]:
+    return tuple(range(jax.process_count())) if _GROUP is None else _GROUP
+
+
+def group_index() -> int:
+    """This process's place in its group (``jax.process_index()`` outside the sampler hosts' layout)."""
+    return group().index(jax.process_index())
+
+
+def group_count() -> int:
+    return len(group())
+
+
 def block(total: int, index: int | None = None, count: int | None = None) -> slice:
-    """Process ``index``'s contiguous block of ``total`` items (sizes as ``np.array_split``)."""
-    index = jax.process_index() if index is None else index
-    count = jax.process_count() if count is None else count
+    """Process ``index``'s contiguous block of ``total`` items (sizes as ``np.array_split``): by default
+    this process's, of its group."""
+    index = group_index() if index is None else index
+    count = group_count() if count is None else count
     size, extra = divmod(total, count)
     start = index * size + min(index, extra)
     return slice(start, start + size + (index < extra))
@@ -259,13 +306,13 @@ def to_host(x) -> np.ndarray:
 def global_rows(tree, mesh: Mesh):
     """Process-local host arrays (rows of this process) -> global arrays sharded over the batch
     axes, their rows the processes' rows in mesh order. With one process: ``tree`` unchanged."""
-    if jax.process_count() == 1:
+    if group_count() == 1:
         return tree
 
     def put(x):
         x = np.asarray(x)
         sharding = NamedSharding(mesh, P(shd.BATCH_AXES, *([None] * (x.ndim - 1))))
-        return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * jax.process_count(),) + x.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * group_count(),) + x.shape[1:])
 
     return jax.tree_util.tree_map(put, tree)
 
@@ -279,18 +326,30 @@ def replicated(x, mesh: Mesh):
     return jax.make_array_from_callback(x.shape, shd.replicated(mesh), lambda index: x[index])
 
 
-def _allgather(x: np.ndarray) -> np.ndarray:
+def _allgather(x: np.ndarray, everyone: bool = False) -> np.ndarray:
+    """[processes, ...]: ``x`` of every process of this one's group (``everyone``: of all), stacked."""
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x))
+    if everyone or _GROUP is None:
+        return np.asarray(multihost_utils.process_allgather(x))
+    members = group()  # as process_allgather does, over the group's devices alone
+    devices = np.array([d for p in members for d in jax.devices() if d.process_index == p]).reshape(len(members), -1)
+    mesh = Mesh(devices, ("processes", "local_devices"))
+    x = np.asarray(x)[None]
+    parts = [jax.device_put(x, d) for d in jax.local_devices()]
+    stacked = jax.make_array_from_single_device_arrays((len(members),) + x.shape[1:],
+                                                       NamedSharding(mesh, P("processes")), parts)
+    whole = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))(stacked)
+    return np.asarray(whole.addressable_data(0))
 
 
-def gather(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+def gather(*arrays: np.ndarray, everyone: bool = False) -> tuple[np.ndarray, ...]:
     """Every process's rows of each host array, concatenated in process order (any number of
-    rows per process). With one process: the arrays unchanged."""
-    if jax.process_count() == 1:
+    rows per process), among this process's group (``everyone``: all processes). With one
+    process: the arrays unchanged."""
+    if (jax.process_count() if everyone else group_count()) == 1:
         return arrays
-    counts = _allgather(np.array([len(a) for a in arrays], np.int64))  # [P, len(arrays)]
+    counts = _allgather(np.array([len(a) for a in arrays], np.int64), everyone)  # [P, len(arrays)]
     out = []
     for i, a in enumerate(arrays):
         a = np.asarray(a)
@@ -298,36 +357,40 @@ def gather(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
         width = int(counts[:, i].max())
         padded = np.zeros((width,) + a.shape[1:], np.int32 if dtype == np.dtype(bool) else dtype)
         padded[: len(a)] = a
-        stacked = _allgather(padded)  # [P, width, ...]
+        stacked = _allgather(padded, everyone)  # [P, width, ...]
         out.append(np.concatenate([stacked[p, : counts[p, i]] for p in range(len(counts))]).astype(dtype))
     return tuple(out)
 
 
-def gather_json(value: Any) -> list:
+def gather_json(value: Any, everyone: bool = False) -> list:
     """Every process's JSON-serialisable ``value`` (names of metrics a process found, say), in
-    process order. With one process: ``[value]``."""
-    if jax.process_count() == 1:
+    process order, among this process's group (``everyone``: all). With one process: ``[value]``."""
+    if (jax.process_count() if everyone else group_count()) == 1:
         return [value]
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    (every,) = gather(data)
-    lengths = _allgather(np.array([len(data)], np.int64)).reshape(-1)
-    ends = np.cumsum(lengths)
-    return [json.loads(every[end - size:end].tobytes()) for size, end in zip(lengths, ends)]
+    width = 1 << max(8, (len(data) - 1).bit_length())  # padded to a power of two: one gather program per size class
+    (every,) = gather(np.pad(data, (0, width - len(data))), everyone=everyone)
+    sizes = _allgather(np.array([len(data), width], np.int64), everyone)  # [processes, (length, padded)]
+    starts = np.cumsum(sizes[:, 1]) - sizes[:, 1]
+    return [json.loads(every[start:start + size].tobytes()) for size, start in zip(sizes[:, 0], starts)]
 
 
-def any_process(flag: bool) -> bool:
-    """True on every process when ``flag`` is true on any (e.g. SIGTERM reached one host)."""
-    if jax.process_count() == 1:
+def any_process(flag: bool, everyone: bool = False) -> bool:
+    """True on every process of the group (``everyone``: on all) when ``flag`` is true on any of them
+    (e.g. SIGTERM reached one host)."""
+    if (jax.process_count() if everyone else group_count()) == 1:
         return bool(flag)
-    return bool(_allgather(np.array([int(bool(flag))], np.int32)).max())
+    return bool(_allgather(np.array([int(bool(flag))], np.int32), everyone).max())
 
 
-def barrier(name: str, timeout_s: int = 3600) -> None:
-    """Wait until every process reaches ``name`` (no-op with one process)."""
-    if jax.process_count() > 1:
+def barrier(name: str, timeout_s: int = 3600, everyone: bool = False) -> None:
+    """Wait until every process of this one's group (``everyone``: every process) reaches ``name``
+    (no-op with one process)."""
+    if (jax.process_count() if everyone else group_count()) > 1:
         from orbax.checkpoint import multihost
 
-        multihost.sync_global_processes(name, timeout=timeout_s)
+        processes = None if everyone or _GROUP is None else set(_GROUP)
+        multihost.sync_global_processes(name, timeout=timeout_s, processes=processes)
 
 
 SHARED_MARK = ".arlopti_shared"  # the file ``check_shared_folder`` writes in a run folder

@@ -81,13 +81,22 @@ def compare_trees(saved: dict[str, tuple], wanted: dict[str, tuple], where: str)
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True):
+    """A run's orbax checkpoints. ``processes``: the processes that save and restore them together
+    (None: every process; the sampler hosts' layout gives the trainer's alone, rl/hosts.py)."""
+
+    def __init__(self, directory: str | Path, *, max_to_keep: int = 3, async_save: bool = True,
+                 processes: set[int] | None = None):
         self.directory = paths.path(directory)  # local, or a bucket's gs:// folder (orbax writes there directly)
+        together = ocp.options.MultiprocessingOptions()
+        if processes is not None:  # orbax creates the folder only for every process: made here, by each of them
+            together = ocp.options.MultiprocessingOptions(primary_host=min(processes), active_processes=set(processes))
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
-                temporary_path_class=_fault_injecting_rename() if _checkpoint_fault() else None),
+                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=processes is None,
+                temporary_path_class=_fault_injecting_rename() if _checkpoint_fault() else None,
+                multiprocessing_options=together),
         )
 
     def save(self, step: int, state: Any, meta: dict) -> None:

@@ -536,3 +536,26 @@ def test_the_fused_products_falling_back_to_xla_is_said_once_where_the_sampler_i
     for _ in range(2):
         Sampler(cfg, shd.make_mesh({"fsdp": -1}), whole_weights="off")
     assert len(said()) == 1 and "splits the weights' embed axes" in said()[0] and "XLA's products" in said()[0]
+
+
+def test_generate_steps_keeps_its_mesh_to_its_own_turns(folder, policy):
+    """Between its turns (where the update's programs are traced, rl/pipeline.py) the sampler's mesh
+    and rules are not in force: the first generator of this kind held them across its yields, and the
+    update's programs then traced under the sampler's mesh (another trace each step, on split meshes).
+    The tokens are ``generate``'s."""
+    mesh = shd.make_mesh({"data": 2}, jax.devices()[4:6])
+    cfg, params = load_pretrained(folder, mesh=mesh)
+    sampling = SamplingConfig(max_response_len=R, temperature=0.8, phase_tokens=4, min_rows=1)
+    steps = Sampler(cfg, mesh).generate_steps(params, PROMPTS, 2, jax.random.key(3), sampling)
+    turns = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            got = done.value
+            break
+        turns += 1
+        assert shd.platform() == jax.default_backend() and jax.sharding.get_abstract_mesh().empty
+    assert turns >= 2  # a length-aware decode: several loops, each a yield
+    want = Sampler(cfg, mesh).generate(params, PROMPTS, 2, jax.random.key(3), sampling)
+    np.testing.assert_array_equal(got.response_ids, want.response_ids)
