@@ -13,7 +13,6 @@ import subprocess
 import sys
 from collections import namedtuple
 
-import pytest
 
 from arlopti_jax.config.cli import STARTUP_CHECK_ENV
 from arlopti_jax.models import hf
