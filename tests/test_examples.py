@@ -143,6 +143,16 @@ def world(tmp_path_factory):
     for split, rows in zip(("train", "test"), arith.generate(64, 64)):
         for task in ("arith", "arith_addsub20"):
             arith.write_parquet(rows, root / "data" / task / f"{split}.parquet")
+    from arlopti_jax.finetune.tool_traces import NO_TOOL, prompt_messages
+    from arlopti_jax.tasks import calc
+
+    for arm in ("tool", "notool"):  # configs/smollm2_calc.py's start points (finetune/tool_traces.py's layout)
+        start = root / "runs" / f"calc_{arm}_start"
+        start.mkdir(parents=True)
+        (start / "model").symlink_to(model, target_is_directory=True)
+        for name, rows in zip(("train", "test_calc"), calc.generate(64, 64)):
+            calc.write_parquet([{**r, "prompt": prompt_messages(r["extra_info"]["question"], NO_TOOL)} for r in rows],
+                               start / "data" / f"{name}.parquet")
     _stand_in_tokenizer(root / "data").save_pretrained(model)  # start-ups tokenize the prompts
     (root / "pairs.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "response": sft_target(r)}) + "\n"
                                               for r in kk))

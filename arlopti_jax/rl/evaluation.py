@@ -28,7 +28,11 @@ Every evaluation can keep what it generated (``Evaluator.run(..., generations_di
 one ``DIR/<test set>.jsonl`` per test file, a line per response with the prompt's row in its
 file, the mode (greedy or sampled) and sample number, the response text (special tokens
 kept), the extracted answer, the score, whether it counts as correct and the reward's
-other numbers (``info``). With several
+other numbers (``info``). With tool episodes (``env.name``: run as the training runs them,
+``rl/episode_host.py``) the response is the whole episode after the prompt, ``info`` its reward
+parts, and ``turns`` each turn: the policy's text (``action``), what stopped it (``stop``: eos,
+marker, turn_cap, budget) and the observation fed after it as the model saw it (None for the
+turn that ended the episode). With several
 processes each writes its own responses to ``<test set>.process<i>.jsonl``.
 """
 
@@ -97,6 +101,19 @@ def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: in
     keys = sorted({k for r in rewards for k in r.info})
     return Scored(texts, np.array([r.score for r in rewards], np.float32),
                   np.array([is_correct(s, r, correct_at) for s, r in zip(sources, rewards)], bool),
+                  {k: np.array([r.info.get(k, np.nan) for r in rewards], np.float32) for k in keys})
+
+
+def score_episodes(config, tokenizer, rows: list[dict], rollout, n: int, batch) -> Scored:
+    """Every tool episode of ``rollout`` scored by its environment (``episode_host.EpisodeBatch``'s
+    rewards: the sum of its parts, which ``info`` holds per part); the texts as ``score_rollout``'s,
+    observations included."""
+    texts = decode_solutions(tokenizer, rows, rollout, n)
+    rewards = batch.rewards()
+    correct_at = config.reward.get("correct_at")
+    keys = sorted({k for r in rewards for k in r.info})
+    correct = [is_correct(rows[i // n]["data_source"], r, correct_at) for i, r in enumerate(rewards)]
+    return Scored(texts, np.array([r.score for r in rewards], np.float32), np.array(correct, bool),
                   {k: np.array([r.info.get(k, np.nan) for r in rewards], np.float32) for k in keys})
 
 
@@ -171,6 +188,12 @@ class Evaluator:
         self.greedy = run.sampling(greedy=True)
         self.sampled = run.sampling(temperature=config.train.eval_temperature)
         self.ks = tuple(int(k) for k in config.train.eval_ks)
+        self.episodes = None  # with env.name: tool episodes, run as the training's are
+        if config.env.name and test_sets:
+            from arlopti_jax.rl.episode_host import EpisodeSetup
+
+            self.setup = EpisodeSetup.from_config(config, tokenizer, run.sampler.cfg.vocab_size)
+            self.episodes, self.pool = self.setup.sampler(run.sampler), self.setup.pool()
 
     @property
     def settings(self) -> dict[str, float]:
@@ -184,9 +207,17 @@ class Evaluator:
         batch is laid out for that many prompts (padding rows, dropped: ``Sampler.generate``)."""
         cfg = self.config
         rows = rows[self.sampler.process_share(len(rows), sampling, pad_to)]
-        rollout = self.sampler.generate(params, [r["prompt_ids"] for r in rows], n, key, sampling, pad_to=pad_to)
-        rollout = stopped(cfg, self.tokenizer, rollout, sampling.pad_id)
-        scored = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
+        prompts, turns = [r["prompt_ids"] for r in rows], None
+        if self.episodes is None:
+            rollout = self.sampler.generate(params, prompts, n, key, sampling, pad_to=pad_to)
+            rollout = stopped(cfg, self.tokenizer, rollout, sampling.pad_id)
+            scored = score_rollout(cfg, self.reward_fn, self.tokenizer, rows, rollout, n)
+        else:
+            from arlopti_jax.rl.episode_host import EpisodeBatch
+
+            episodes = EpisodeBatch(self.setup, self.pool, [row for row in rows for _ in range(n)], self.tokenizer)
+            rollout, _ = self.episodes.generate(params, prompts, n, key, sampling, episodes, pad_to=pad_to)
+            scored, turns = score_episodes(cfg, self.tokenizer, rows, rollout, n, episodes), episodes.turns
         texts, scores, ok = scored.texts, scored.scores, scored.correct
         answers = [None] * len(texts)
         for i, text in enumerate(texts):
@@ -203,7 +234,8 @@ class Evaluator:
                          "answer": answers[i], "score": float(scores[i]), "correct": bool(ok[i]),
                          "ground_truth": rows[i // n]["ground_truth"],
                          **({"info": {k: float(v[i]) for k, v in scored.info.items() if np.isfinite(v[i])}}
-                            if scored.info else {})} for i in range(len(texts))]
+                            if scored.info else {}), **({"turns": turns[i]} if turns is not None else {})}
+                        for i in range(len(texts))]
         return (*dist.gather(scores, ok, stats), gather_info(scored.info, len(texts)))
 
     def _rows(self, ds) -> list[dict]:
@@ -231,7 +263,8 @@ class Evaluator:
         if not self.sets:
             return []
         _, sub = jax.random.split(key)
-        return [self.sampler.schedule(params, pad_to, sampling.prompt_width, n, sampling, key=compiles.abstract(sub))
+        programs = self.sampler if self.episodes is None else self.episodes
+        return [programs.schedule(params, pad_to, sampling.prompt_width, n, sampling, key=compiles.abstract(sub))
                 for _, sampling, n, _, pad_to in self._modes()]
 
     def run(self, params, key, generations_dir: str | Path | None = None) -> dict[str, float]:

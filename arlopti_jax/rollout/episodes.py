@@ -5,7 +5,7 @@
 
 Each turn a row decodes until its stop marker (a tool call's close, ``markers.py``), an EOS id, the
 turn's token cap (``turn_tokens``) or the episode's budget (``max_response_len`` tokens after the
-prompt, observations included). The host (``EpisodeHost``: the environments, ``rl/episodes.py``)
+prompt, observations included). The host (``EpisodeHost``: the environments, ``rl/episode_host.py``)
 gets the turn's token ids and answers with the observation's token ids, or with None to end the
 episode; the row then decodes on from its KV cache, the observation fed as forced tokens
 (``episode_programs.py``: no re-tokenization, no prefill of what the cache holds). The trained
@@ -44,7 +44,7 @@ from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.rollout import episode_programs as ep
 from arlopti_jax.rollout.output import Rollout
-from arlopti_jax.rollout.sampler import SAMPLING_WEIGHTS, Sampler, _half, batch_rows, drain
+from arlopti_jax.rollout.sampler import SAMPLING_WEIGHTS, Sampler, _half, batch_rows, drain, in_context
 from arlopti_jax.rollout.sampling import SamplingConfig
 
 
@@ -157,7 +157,12 @@ class EpisodeSampler:
                        host: EpisodeHost, pad_to: int = 0):
         """``generate`` as a generator that yields where the host would wait for the devices (after
         dispatching a decode loop or a resume, before reading its numbers), as
-        ``Sampler.generate_steps``; returns what ``generate`` returns."""
+        ``Sampler.generate_steps``; returns what ``generate`` returns. The sampler's mesh and rules are
+        in force during its turns alone (``sampler.in_context``), never across a yield."""
+        return (yield from in_context(self._episode_loops(params, prompts, n, key, sampling, host, pad_to),
+                                      lambda: shd.activate(self.sampler.mesh, self.sampler.rules)))
+
+    def _episode_loops(self, params, prompts, n: int, key, sampling: SamplingConfig, host: EpisodeHost, pad_to: int):
         sampler, spec = self.sampler, self.spec
         batch = sampler.pad_prompts(prompts, sampling, pad_to)
         weights = sampler.sampling_params(params)
@@ -174,44 +179,43 @@ class EpisodeSampler:
         global_episodes = (batch.global_rows or batch.ids.shape[0]) * n
         ends, kernel = sampling.phase_ends(), sampling.kernel_key
         turns, cut = np.zeros(local, np.int32), np.zeros(local, bool)
-        with shd.activate(sampler.mesh, sampler.rules):
-            ids = shd.put(batch.ids, rows2, batch.global_rows)
-            mask = shd.put(batch.mask, rows2, batch.global_rows)
-            cache, logits = sampler._prefill(weights, ids, mask)
-            live = shd.put(np.arange(batch.ids.shape[0]) < batch.num_prompts, rows1, batch.global_rows)
-            state = self._start(cache, logits, mask, live, shd.put(feed, rows2, global_episodes),
-                                shd.put(feed_len, rows1, global_episodes), key, temperature, top_p, eos, table,
-                                turn_tokens, n=n, max_len=r, slots=batch.ids.shape[1] + ends[0], kernel=kernel,
-                                greedy=greedy)
-            offset = int(dist.local_rows(state.rows)[0])  # this process's first global row
-            phase, out, loops, ran, cursor = 0, None, [], 0, batch.ids.shape[1]
-            while True:
-                rows = state.status.shape[0] // self.devices
-                compacts = sampling.length_aware and sampling.min_rows <= _half(rows) < rows
-                before = cursor
-                state, status = self._decode(weights, state, key, temperature, top_p, eos, table, turn_tokens,
-                                             np.int32(_half(rows) if compacts else 0), kernel=kernel, greedy=greedy)
+        ids = shd.put(batch.ids, rows2, batch.global_rows)
+        mask = shd.put(batch.mask, rows2, batch.global_rows)
+        cache, logits = sampler._prefill(weights, ids, mask)
+        live = shd.put(np.arange(batch.ids.shape[0]) < batch.num_prompts, rows1, batch.global_rows)
+        state = self._start(cache, logits, mask, live, shd.put(feed, rows2, global_episodes),
+                            shd.put(feed_len, rows1, global_episodes), key, temperature, top_p, eos, table,
+                            turn_tokens, n=n, max_len=r, slots=batch.ids.shape[1] + ends[0], kernel=kernel,
+                            greedy=greedy)
+        offset = int(dist.local_rows(state.rows)[0])  # this process's first global row
+        phase, out, loops, ran, cursor = 0, None, [], 0, batch.ids.shape[1]
+        while True:
+            rows = state.status.shape[0] // self.devices
+            compacts = sampling.length_aware and sampling.min_rows <= _half(rows) < rows
+            before = cursor
+            state, status = self._decode(weights, state, key, temperature, top_p, eos, table, turn_tokens,
+                                         np.int32(_half(rows) if compacts else 0), kernel=kernel, greedy=greedy)
+            yield
+            cursor, busiest, waiting, playing = (int(v) for v in dist.to_host(status))
+            slots = state.kv_mask.shape[1]
+            ran += cursor - before
+            loops.append((rows, slots, ran))
+            if waiting or cursor >= slots:  # answer the waiting rows; realign the cache
+                finish, feed, feed_len = self._answers(state, host, offset, turns, cut, r)
+                state, status = self._resume(state, shd.put(finish, rows1, state.status.shape[0]),
+                                             shd.put(feed, rows2, state.status.shape[0]),
+                                             shd.put(feed_len, rows1, state.status.shape[0]))
                 yield
                 cursor, busiest, waiting, playing = (int(v) for v in dist.to_host(status))
-                slots = state.kv_mask.shape[1]
-                ran += cursor - before
-                loops.append((rows, slots, ran))
-                if waiting or cursor >= slots:  # answer the waiting rows; realign the cache
-                    finish, feed, feed_len = self._answers(state, host, offset, turns, cut, r)
-                    state, status = self._resume(state, shd.put(finish, rows1, state.status.shape[0]),
-                                                 shd.put(feed, rows2, state.status.shape[0]),
-                                                 shd.put(feed_len, rows1, state.status.shape[0]))
-                    yield
-                    cursor, busiest, waiting, playing = (int(v) for v in dist.to_host(status))
-                if playing == 0:
-                    break
-                while rows > sampler._row_bucket(busiest, rows, sampling) and sampling.length_aware:
-                    rows = _half(rows)
-                    state, out = self._compact(state, out, rows=rows)
-                if phase + 1 < len(ends) and slots - cursor < max(1, ends[phase] // 4):
-                    phase += 1
-                    state = self._grow(state, slots=batch.ids.shape[1] + ends[phase])
-            final = ep.outputs(state) if out is None else self._scatter(out, ep.row_part(state))
+            if playing == 0:
+                break
+            while rows > sampler._row_bucket(busiest, rows, sampling) and sampling.length_aware:
+                rows = _half(rows)
+                state, out = self._compact(state, out, rows=rows)
+            if phase + 1 < len(ends) and slots - cursor < max(1, ends[phase] // 4):
+                phase += 1
+                state = self._grow(state, slots=batch.ids.shape[1] + ends[phase])
+        final = ep.outputs(state) if out is None else self._scatter(out, ep.row_part(state))
         fetch = lambda x: dist.local_rows(x)[:count]
         kind = fetch(final["kind"])
         rollout = Rollout(

@@ -1,0 +1,37 @@
+"""A scripted environment for the tool-episode tests: any model plays it, tool call or not.
+
+``ScriptedEnv`` answers every turn with an observation in multi-byte text (accents, a dash, a
+check mark, CJK) naming the turn and the action's length, until its ``turns``-th turn (default 3),
+which ends the episode; the reward part ``answer`` is 1 when the episode's actions hold an even
+number of characters in all, else 0, and ``length`` is -0.01 per character: rewards that vary
+within a group, from the text alone (deterministic, so a resumed run replays them). Each instance
+keeps what it saw (``actions``) and said (``observations``)."""
+
+from arlopti_jax.tasks.envs import Step
+
+OBSERVATION = "turn {turn}: ça fait {n} caractères – ✓ π 漢字"
+
+
+class ScriptedEnv:
+    stop_strings = ("</call>",)
+    tools: list = []
+    instructions = None
+
+    def __init__(self, turns: int = 3, fail_on: str = ""):
+        self.turns, self.fail_on = turns, fail_on
+        self.actions, self.observations = [], []
+
+    def reset(self, problem):
+        self.problem = problem
+        return None
+
+    def step(self, action):
+        self.actions.append(action)
+        if self.fail_on and self.fail_on in action:
+            raise RuntimeError("scripted failure")
+        info = {"tool_calls": 1, "tool_seconds": 0.001}
+        if len(self.actions) >= self.turns:
+            chars = sum(len(a) for a in self.actions)
+            return Step(None, {"answer": float(chars % 2 == 0), "length": -0.01 * chars}, True, {})
+        self.observations.append(OBSERVATION.format(turn=len(self.actions), n=len(action)))
+        return Step(self.observations[-1], {}, False, info)
