@@ -35,3 +35,31 @@ class ScriptedEnv:
             return Step(None, {"answer": float(chars % 2 == 0), "length": -0.01 * chars}, True, {})
         self.observations.append(OBSERVATION.format(turn=len(self.actions), n=len(action)))
         return Step(self.observations[-1], {}, False, info)
+
+
+class ScriptedHost:
+    """A host for ``rollout.episodes.EpisodeSampler`` (no environment): answers turn k of episode e
+    with ``k + e % 3`` observation ids, at most 5 (60 + k, then 70 + e % 20), until the episode's
+    ``turns(e)``-th turn, which ends it; with ``first``, odd episodes get a first observation. ``e``
+    counts from ``offset`` (a process's first episode of the global batch), so every process answers
+    a global episode alike. Records every turn end and reply, by global episode."""
+
+    def __init__(self, table, turns, first: bool = False, offset: int = 0):
+        self.table, self.turns, self.with_first, self.offset = table, turns, first, offset
+        self.ends, self.replies, self.firsts = [], {}, []
+
+    def first(self, count):
+        self.firsts = [[80 + e % 5] * (e % 2) if self.with_first else [] for e in range(self.offset,
+                                                                                       self.offset + count)]
+        return self.firsts
+
+    def answer(self, ends):
+        out = []
+        for end in ends:
+            e = self.offset + end.episode
+            self.ends.append(end)
+            more = min(end.turn + e % 3 - 1, 4)
+            reply = None if end.turn >= self.turns(e) else [60 + end.turn] + [70 + e % 20] * more
+            self.replies[(e, end.turn)] = reply
+            out.append(reply)
+        return out

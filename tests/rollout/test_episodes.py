@@ -18,6 +18,7 @@ from arlopti_jax.rollout.episodes import EpisodeSpec, episode_sampler
 from arlopti_jax.rollout.markers import advance, marker_table
 from arlopti_jax.runtime import compiles
 from arlopti_jax.runtime import sharding as shd
+from episode_fixtures import ScriptedHost
 from hf_fixtures import VOCAB, write_hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43]]
@@ -41,28 +42,8 @@ def policy_on(folder, devices: int):
     return cfg, params, Sampler(cfg, mesh)
 
 
-class ScriptedHost:
-    """Answers turn k of episode e with ``k + e % 3`` observation tokens, at most 5 (60 + k, then 70 + e)
-    until its ``turns[e]``-th turn, which ends it; records every turn end and every reply."""
-
-    def __init__(self, turns, first: bool = False, marker: str = MARKER):
-        self.table = marker_table(TEXTS, marker, VOCAB)
-        self.turns, self.with_first = turns, first
-        self.ends, self.replies, self.firsts = [], {}, []
-
-    def first(self, count):
-        self.firsts = [[80 + e % 5] * (e % 2) if self.with_first else [] for e in range(count)]
-        return self.firsts
-
-    def answer(self, ends):
-        out = []
-        for end in ends:
-            self.ends.append(end)
-            reply = None if end.turn >= self.turns[end.episode] else \
-                [60 + end.turn] + [70 + end.episode % 20] * min(end.turn + end.episode % 3 - 1, 4)
-            self.replies[(end.episode, end.turn)] = reply
-            out.append(reply)
-        return out
+def host_of(turns, first: bool = False, marker: str = MARKER) -> ScriptedHost:
+    return ScriptedHost(marker_table(TEXTS, marker, VOCAB), lambda e: turns[e], first)
 
 
 def text_of(ids):
@@ -71,7 +52,7 @@ def text_of(ids):
 
 def generate(folder, devices, turns, *, length_aware=True, first=False, seed=0, **kw):
     cfg, params, sampler = policy_on(folder, devices)
-    host = ScriptedHost(turns, first)
+    host = host_of(turns, first)
     sampling = SamplingConfig(max_response_len=R, eos_ids=(EOS,), length_aware=length_aware, phase_tokens=8,
                               min_rows=1, temperature=kw.pop("temperature", 1.3), **kw)
     rollout, counted = episode_sampler(sampler, SPEC).generate(params, PROMPTS, N, jax.random.key(seed), sampling,
@@ -160,7 +141,7 @@ def test_an_episode_of_one_turn_is_the_single_turn_response(folder):
     """No stop marker in the text, turns as long as the budget, and an environment that ends every
     episode at its first turn: the single-turn sampler's tokens and log-probs."""
     cfg, params, sampler = policy_on(folder, 1)
-    host = ScriptedHost([1] * len(PROMPTS) * N, marker="zzz")
+    host = host_of([1] * len(PROMPTS) * N, marker="zzz")
     sampling = SamplingConfig(max_response_len=R, eos_ids=(EOS, 7), phase_tokens=8, min_rows=1, temperature=1.1)
     key = jax.random.key(3)
     got, _ = episode_sampler(sampler, EpisodeSpec(R, 4, 3)).generate(params, PROMPTS, N, key, sampling, host)
@@ -184,7 +165,7 @@ def test_the_schedule_compiled_ahead_is_every_program_of_any_number_of_turns(fol
     mark = log.programs
     loops = set()
     for key, turns in zip(keys, ([1] * 12, TURNS, [9] * 12)):  # no tool call, 1-5 turns, up to the budget
-        rollout, _ = episodes.generate(params, PROMPTS, N, key, sampling, ScriptedHost(turns, first=True))
+        rollout, _ = episodes.generate(params, PROMPTS, N, key, sampling, host_of(turns, first=True))
         loops.update(rollout.decode_loops)
     assert not log.since(mark), [(r.name, r.shapes[:160]) for r in log.since(mark)]
     assert len({rows for rows, _, _ in loops}) > 2 and len({slots for _, slots, _ in loops}) > 2
@@ -211,3 +192,26 @@ def test_the_marker_automaton_follows_the_text_in_any_tokenization():
                 assert state == want == advance(marker, 0, text), (marker, [pieces[i] for i in ids])
     with pytest.raises(ValueError, match="printable ASCII"):
         marker_table(pieces, "é>", 8)
+
+
+@pytest.mark.slow  # two processes: minutes on 2 cores; CI runs the slow tests
+@pytest.mark.xdist_group("two_processes")  # never beside another two-process test: 4 processes on 2 cores
+def test_two_processes_equal_one(tmp_path):
+    """2 processes x 4 devices (launch/local.sh): each process's host answers its own rows, the loop
+    leaving, answering, compacting and growing on the global counts; the episodes equal one
+    process's 8 devices, token for token."""
+    import numpy as np
+
+    import multiprocess_episodes as mp
+    from two_processes import launch_two, logs_of
+
+    proc = launch_two([f"--out={tmp_path}"], tmp_path / "logs", 400, module="multiprocess_episodes")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{logs_of(tmp_path / 'logs')}"
+    parts = [np.load(tmp_path / f"process_{i}.npz") for i in (0, 1)]
+    want, turns = mp.episodes(shd.make_mesh({"fsdp": 8}))
+    assert [int(p["start"]) for p in parts] == [0, 4]
+    for name in ("response_ids", "response_mask", "observation_mask", "lengths"):
+        np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), getattr(want, name), err_msg=name)
+    np.testing.assert_allclose(np.concatenate([p["logprobs"] for p in parts]), want.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(np.concatenate([p["turns"] for p in parts]), turns)
+    assert want.observation_mask.any() and turns.max() > 1
