@@ -326,21 +326,51 @@ def replicated(x, mesh: Mesh):
     return jax.make_array_from_callback(x.shape, shd.replicated(mesh), lambda index: x[index])
 
 
-def _allgather(x: np.ndarray, everyone: bool = False) -> np.ndarray:
-    """[processes, ...]: ``x`` of every process of this one's group (``everyone``: of all), stacked."""
-    from jax.experimental import multihost_utils
+_GATHERS: dict[tuple[int, ...], int] = {}  # per group: the host gathers made so far (the same count on each member)
+GATHER_TIMEOUT_S = 3600  # a gather waits this long for the slowest member (one evaluating, say)
 
-    if everyone or _GROUP is None:
-        return np.asarray(multihost_utils.process_allgather(x))
-    members = group()  # as process_allgather does, over the group's devices alone
-    devices = np.array([d for p in members for d in jax.devices() if d.process_index == p]).reshape(len(members), -1)
-    mesh = Mesh(devices, ("processes", "local_devices"))
-    x = np.asarray(x)[None]
-    parts = [jax.device_put(x, d) for d in jax.local_devices()]
-    stacked = jax.make_array_from_single_device_arrays((len(members),) + x.shape[1:],
-                                                       NamedSharding(mesh, P("processes")), parts)
-    whole = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))(stacked)
-    return np.asarray(whole.addressable_data(0))
+
+def _exchange(data: bytes, everyone: bool = False) -> list[bytes]:
+    """Every process's ``data`` among this one's group (``everyone``: all), in process order. Through
+    the coordination service's key-value store (jax.distributed's, as orbax's barriers use it), not a
+    device program: a host value neither compiles a program per shape nor runs beside the devices' own
+    collectives. On XLA:CPU a gather over all host devices (2 per process, ``process_allgather``) that
+    ran while a collective over one device per process was in flight mixed their messages in gloo and
+    killed both processes ("Received data size doesn't match expected size"; jax 0.10.2, 2026-12-06:
+    the sampling loop's overlap on 2 processes x (1 + 1))."""
+    members = tuple(range(jax.process_count())) if everyone or _GROUP is None else _GROUP
+    if len(members) == 1:
+        return [data]
+    from orbax.checkpoint import multihost
+
+    client = multihost.get_jax_distributed_client()
+    n = _GATHERS[members] = _GATHERS.get(members, 0) + 1
+    key = lambda i, p: f"arlopti_gather/{'-'.join(map(str, members))}/{i}/{p}"
+    client.key_value_set_bytes(key(n, jax.process_index()), data)
+    parts = [client.blocking_key_value_get_bytes(key(n, p), GATHER_TIMEOUT_S * 1000) for p in members]
+    if n > 1:  # every member has set gather n's value, so each has read all of gather n - 1's
+        client.key_value_delete(key(n - 1, jax.process_index()))
+    return parts
+
+
+def _arrays_bytes(arrays) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    np.savez(out, *[np.asarray(a) for a in arrays])
+    return out.getvalue()
+
+
+def _bytes_arrays(data: bytes) -> list[np.ndarray]:
+    import io
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as got:
+        return [got[f"arr_{i}"] for i in range(len(got.files))]
+
+
+def _allgather(x: np.ndarray, everyone: bool = False) -> np.ndarray:
+    """[processes, ...]: ``x`` (one shape on every process) of each process of the group, stacked."""
+    return np.stack([_bytes_arrays(part)[0] for part in _exchange(_arrays_bytes([x]), everyone)])
 
 
 def gather(*arrays: np.ndarray, everyone: bool = False) -> tuple[np.ndarray, ...]:
@@ -349,17 +379,8 @@ def gather(*arrays: np.ndarray, everyone: bool = False) -> tuple[np.ndarray, ...
     process: the arrays unchanged."""
     if (jax.process_count() if everyone else group_count()) == 1:
         return arrays
-    counts = _allgather(np.array([len(a) for a in arrays], np.int64), everyone)  # [P, len(arrays)]
-    out = []
-    for i, a in enumerate(arrays):
-        a = np.asarray(a)
-        dtype = a.dtype
-        width = int(counts[:, i].max())
-        padded = np.zeros((width,) + a.shape[1:], np.int32 if dtype == np.dtype(bool) else dtype)
-        padded[: len(a)] = a
-        stacked = _allgather(padded, everyone)  # [P, width, ...]
-        out.append(np.concatenate([stacked[p, : counts[p, i]] for p in range(len(counts))]).astype(dtype))
-    return tuple(out)
+    parts = [_bytes_arrays(part) for part in _exchange(_arrays_bytes(arrays), everyone)]  # per process
+    return tuple(np.concatenate([p[i] for p in parts]).astype(np.asarray(a).dtype) for i, a in enumerate(arrays))
 
 
 def gather_json(value: Any, everyone: bool = False) -> list:
@@ -367,12 +388,7 @@ def gather_json(value: Any, everyone: bool = False) -> list:
     process order, among this process's group (``everyone``: all). With one process: ``[value]``."""
     if (jax.process_count() if everyone else group_count()) == 1:
         return [value]
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    width = 1 << max(8, (len(data) - 1).bit_length())  # padded to a power of two: one gather program per size class
-    (every,) = gather(np.pad(data, (0, width - len(data))), everyone=everyone)
-    sizes = _allgather(np.array([len(data), width], np.int64), everyone)  # [processes, (length, padded)]
-    starts = np.cumsum(sizes[:, 1]) - sizes[:, 1]
-    return [json.loads(every[start:start + size].tobytes()) for size, start in zip(sizes[:, 0], starts)]
+    return [json.loads(part) for part in _exchange(json.dumps(value).encode(), everyone)]
 
 
 def any_process(flag: bool, everyone: bool = False) -> bool:

@@ -18,18 +18,21 @@ def child_flags() -> str:
                     if not f.startswith("--xla_force_host_platform_device_count"))
 
 
-def launch_two(args: list[str], logs: Path, timeout: int, module: str | None = None,
-               **env: str) -> subprocess.CompletedProcess:
+def launch_two(args: list[str], logs: Path, timeout: int, module: str | None = None, devices: int = 4,
+               wait: bool = True, **env: str):
     """Run ``train`` (or ``--module``, a module of tests/helpers) with ``args`` in both processes,
     their logs in ``logs``. Returns the launcher's exit status and its combined output; past
     ``timeout`` seconds the processes are killed (status -9) and the output ends with their logs'
     last lines."""
-    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", "4", *(["--module", module] if module else []),
+    cmd = ["bash", str(REPO / "launch" / "local.sh"), "2", "--devices", str(devices),
+           *(["--module", module] if module else []),
            "--logs", str(logs), "--", *args]
     path = os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": child_flags(),
                                                 "PYTHONPATH": path, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    if not wait:  # the caller waits (or kills the group: os.killpg(proc.pid, ...))
+        return proc
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # the caller's assertion shows where each process was

@@ -162,8 +162,9 @@ def test_k0_on_split_meshes_comes_within_rounding_of_the_colocated_run(start_poi
     colocated = step_metrics(tmp_path / "colocated")
     assert sorted(split) == sorted(colocated)
     for step in colocated:
-        extra = set(split[step]) - set(colocated[step])  # and pi_old the trainer's: the gap to the sampler's logged
-        assert extra <= {"sync/bytes", "sampler/version", "sampler/lag", "offpolicy/kl_k3", "offpolicy/ratio_mean"}, extra
+        extra = set(split[step]) - set(colocated[step])  # pi_old the trainer's: the gap to the sampler's logged
+        assert extra <= {"sync/bytes", "sampler/version", "sampler/lag", "offpolicy/kl_k3",
+                         "offpolicy/ratio_mean"}, extra
         assert split[step]["offpolicy/kl_k3"] == pytest.approx(0, abs=1e-5)  # the same policy, two programs
         for key, want in colocated[step].items():
             assert split[step][key] == pytest.approx(want, rel=1e-4, abs=1e-6), (step, key)
