@@ -27,7 +27,7 @@ fits every target, 1 when a target's peak is over its memory (one line each: whi
 much, what to change), 2 on a bad command line or config. Every figure is the compiler's, for
 the real target, not a measurement of a run.
 
-Targets: v5e-1, v5e-8, v5e-16, v5e-256, v5p-8, v5p-64, v4-32 (multi-host slices as their pods run
+Targets: v5e-1, v5e-8, v5e-16, v5e-256, v5p-8, v5p-16, v5p-32, v5p-64, v4-32 (multi-host slices as their pods run
 them: one process per host), ``NxNAME`` (N of those slices joined by the data-center network, a
 multislice job: ``2xv5e-16``; collectives between slices are listed as ``dcn all-reduce``, ...),
 h100, h100x8 (one node), and ``local``: this machine's own devices (the CPU, or a lent GPU),
@@ -108,9 +108,10 @@ def format_record(record: dict) -> str:
                      f"resident {mesh['resident_bytes_per_device'] / targets.GIB:.2f} GiB ({parts})")
     copies = record["copies"]
     each = copies["bytes_per_device"] / targets.GIB
-    held = (f"{copies['versions']} copies of the policy ({copies['dtype']}, {each:.2f} GiB per device each) on the "
-            f"{'sampler' if copies['own_mesh'] else 'trainer'}'s mesh" if copies["versions"]
-            else "the sampler reads the trainer's parameters (no copy)")
+    where = ("each mesh" if copies["sampler_hosts"] else "the sampler's mesh" if copies["own_mesh"]
+             else "the trainer's mesh")
+    held = (f"{copies['versions']} copies of the policy ({copies['dtype']}, {each:.2f} GiB per device each) on {where}"
+            if copies["versions"] else "the sampler reads the trainer's parameters (no copy)")
     old = "recomputed by the trainer" if copies["recompute_old_logprobs"] else "the sampler's log-probs"
     lines.append(f"max_staleness {copies['max_staleness']}: {held}; pi_old {old}")
     for t in copies["transfers"]:

@@ -139,18 +139,19 @@ def data_prompt_width(config) -> int:
 
 
 def prepare(config, target: Target):
-    """(mesh, model shape) of ``config`` on ``target``: the config validated for its device count,
-    the layout for its hosts (ConfigError: tensor parallelism across hosts, a batch the processes do
-    not divide), the model's shape found (FileNotFoundError)."""
+    """(``run_setup.Layout``: the trainer's mesh, the sampler's own, the hosts' roles; model shape) of
+    ``config`` on ``target``: the config validated for its device count, the layout for its hosts
+    (ConfigError: tensor parallelism across hosts, a batch the processes do not divide, sampler hosts
+    the job cannot hold), the model's shape found (FileNotFoundError)."""
     from arlopti_jax.runtime import distributed as dist
     from arlopti_jax.config import validate
 
     devices = targets.devices(target)
     # the target's platform: cuDNN attention for an H100 compiles here
     validate(config, len(devices), target.platform, shd.slice_count(devices))
-    mesh = run_setup.make_mesh(config, devices=list(devices))
-    dist.validate(config, mesh)
-    return mesh, model_shape(config)
+    layout = run_setup.make_layout(config, devices=list(devices))
+    dist.validate(config, layout.mesh)
+    return layout, model_shape(config)
 
 
 def check(config, target: Target, *, verbose: bool = False, eval_programs: bool = False,
@@ -160,8 +161,8 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
     set (``packing.Shapes``), as ``train`` compiles them; else for the peak micro-batch's shape
     alone. Default: all for ``local``, the peak's for a compile-only target."""
     all_shapes = target.name == "local" if all_shapes is None else all_shapes
-    mesh, (model_cfg, eos, pad, source) = prepare(config, target)
-    sampler_mesh = run_setup.make_sampler_mesh(config, targets.devices(target))
+    layout, (model_cfg, eos, pad, source) = prepare(config, target)
+    mesh, sampler_mesh = layout.mesh, layout.sampler_mesh
     width = data_prompt_width(config)
     run = run_setup.assemble(config, mesh, model_cfg, eos_ids=eos, pad_id=pad,
                              total_steps=max(1, config.train.max_steps), prompt_width=width,
@@ -169,7 +170,7 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
                              sampler_mesh=sampler_mesh)
     longest = width or config.data.max_prompt_length
     params, opt_state = run.state["params"], run.state["opt_state"]
-    plan = copies.plan(run, params)
+    plan = copies.plan(run, params, mirrored=layout.roles is not None)
     trainer_copies, sampler_resident = plan.resident()
     state = {"parameters": shard_bytes(params), "AdamW state": shard_bytes(opt_state)}
     if run.use_reference and not run.model_cfg.lora_rank:  # a LoRA reference is the base itself
@@ -239,6 +240,7 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
                         for name, (m, parts) in meshes.items()}
     record["resident_bytes_per_device"] = record["meshes"]["trainer"]["resident_bytes_per_device"]
     record["copies"] = {"max_staleness": plan.k, "versions": plan.versions, "own_mesh": plan.own_mesh,
+                        "sampler_hosts": plan.mirrored,
                         "bytes_per_device": plan.copy_bytes if plan.versions else 0,
                         "dtype": str(jax.tree.leaves(plan.copy)[0].dtype) if plan.versions else None,
                         "recompute_old_logprobs": recompute, "transfers": transfers}

@@ -22,6 +22,11 @@ them), and the new one, so k + 1 through the step, k = ``rollout.max_staleness``
   log-prob and update programs: an upper bound (they go when the transfer ends). The k + 1 copies are
   resident on the sampler's mesh, with a LoRA base copied there once at start-up (with several
   processes by ``whole_on_own_mesh`` too).
+- sampler hosts of their own (``rollout.hosts``, ``rl/hosts.py``): the sampler's mesh mirrors the
+  trainer's on other processes, so nothing is gathered: ``sampler_cast`` (``sampler_copy`` where the
+  dtypes agree) on the trainer's mesh, whose output the trainer keeps (a checkpoint holds the versions
+  in flight: k + 1 copies resident there too), the cross-process ``jax.device_put`` of each shard to
+  its mirror device (not a program), and the checksums on each side.
 
 Every copy is checked: ``fingerprint`` of what the trainer sent (on its devices) and of the copy (on
 the sampler's), a program each (the run makes two, alike where the two trees are).
@@ -58,6 +63,7 @@ class Plan:
     copy: Any  # one version's copy, where the sampler reads it (abstract; the trainer's mesh when colocated)
     frozen: Any  # the frozen part the sampler reads beside it: ``base``, or on its own mesh a copy of it
     cast: Any  # the weight sync's dtype (``pipeline.sync_dtype``), None: none
+    mirrored: bool = False  # sampler hosts of their own: the trainer keeps its copies too, nothing is gathered
 
     @property
     def copy_bytes(self) -> int:
@@ -73,7 +79,8 @@ class Plan:
         held = {self.copies: self.versions * self.copy_bytes} if self.versions else {}
         if not self.own_mesh:
             return held, {}
-        return {}, {**held, **({"the LoRA base": shard_bytes(self.frozen)} if self.frozen else {})}
+        return held if self.mirrored else {}, {**held, **({"the LoRA base": shard_bytes(self.frozen)}
+                                                          if self.frozen else {})}
 
     def rollout_params(self, params):
         """The parameters the rollouts read: the trainer's own (colocated at k = 0), else a version's copy
@@ -86,8 +93,9 @@ class Plan:
         return int(total), self.copy_bytes
 
 
-def plan(run, params) -> Plan:
-    """The copies ``run`` makes of ``params`` (abstract, the trainer's) each step (module docstring)."""
+def plan(run, params, mirrored: bool = False) -> Plan:
+    """The copies ``run`` makes of ``params`` (abstract, the trainer's) each step (module docstring);
+    ``mirrored``: the sampler on hosts of its own (``rollout.hosts``)."""
     cfg, k = run.model_cfg, run.config.rollout.max_staleness
     trained, base = lora.trainable(cfg, params)
     own = run.rollout_sampler is not run.sampler
@@ -100,7 +108,7 @@ def plan(run, params) -> Plan:
     cast = pipeline.sync_dtype(cfg)
     sh_trained, sh_frozen = lora.trainable(cfg, param_shardings(cfg, run.rollout_sampler.mesh))
     return Plan(k, True, processes, versions, trained, base, like(trained, cast, sh_trained),
-                like(base, shardings=sh_frozen), cast)
+                like(base, shardings=sh_frozen), cast, mirrored)
 
 
 def compile_sync(p: Plan, trainer: Compiler, sampler: Compiler | None) -> list[dict]:
@@ -119,6 +127,8 @@ def compile_sync(p: Plan, trainer: Compiler, sampler: Compiler | None) -> list[d
             _compile(trainer, "fingerprint", runs, pipeline.fingerprint_program(tree), tree)
         return []
     sampler.group = "sync"
+    if p.mirrored:
+        return _mirrored_sync(p, trainer, sampler)
     gathered = p.processes > 1  # each array whole on the trainer's mesh, then its parts copied across
     if gathered and p.frozen:  # the LoRA base, once at start-up
         _gather(trainer, p.base, ["the LoRA base, once at start-up"])
@@ -134,6 +144,25 @@ def compile_sync(p: Plan, trainer: Compiler, sampler: Compiler | None) -> list[d
     total, per_device = p.sync_bytes()
     return [{"name": "transfer (jax.device_put)", "bytes": total, "bytes_per_sampler_device": per_device,
              "from": "each array whole on a trainer device" if gathered else "the trainer's shards"}]
+
+
+def _mirrored_sync(p: Plan, trainer: Compiler, sampler: Compiler) -> list[dict]:
+    """The sync between sampler hosts and trainer hosts (``hosts.TrainerSide``, ``SamplerSide``)."""
+    parts = trainer.resident  # the trainer keeps the version's copy: k copies there before it, its output the step's
+    trainer.resident = {**parts, p.copies: parts[p.copies] - p.copy_bytes}
+    if p.cast is not None:
+        sent = _compile(trainer, "sampler_cast", ["the trained part in the sampler's dtype, kept"],
+                        copy_programs.cast_program(p.trained, p.cast), p.trained)
+    else:
+        sent = _compile(trainer, "sampler_copy", ["the version's copy, kept"], copy_programs.copy_program(p.trained),
+                        p.trained)
+    trainer.resident = parts
+    trainer.resident_leaves |= {id(x) for x in jax.tree.leaves(sent)}
+    _compile(trainer, "fingerprint", ["what the trainer sent"], pipeline.fingerprint_program(sent), sent)
+    _compile(sampler, "fingerprint", ["the sampler's copy"], pipeline.fingerprint_program(p.copy), p.copy)
+    total, per_device = p.sync_bytes()
+    return [{"name": "transfer (cross-process jax.device_put)", "bytes": total, "bytes_per_sampler_device": per_device,
+             "from": "each trainer device's shard, to its mirror device on a sampler host"}]
 
 
 def _gather(compiler: Compiler, tree, runs: list[str]):
@@ -169,7 +198,7 @@ def _compile(compiler: Compiler, name: str, runs: list[str], jitted, *args):
 def in_flight(p: Plan, programs: list) -> dict[str, int]:
     """The weight sync's buffers counted beside the trainer's log-prob and update programs (module
     docstring): the cast copy, and with several processes the whole copy, as their programs made them."""
-    if not p.own_mesh or p.cast is None:
+    if not p.own_mesh or p.cast is None or p.mirrored:  # kept (mirrored): resident, not in flight
         return {}
     made = {q.name: q for q in programs if q.group == "sync" and q.mesh == "trainer"}
     held = made["sampler_cast"].memory["output"] if "sampler_cast" in made else 0

@@ -62,6 +62,8 @@ TARGETS = {t.name: t for t in (
     Target("v5e-16", topology="v5e:4x4", hosts=4, chips=16, **_V5E),
     Target("v5e-256", topology="v5e:16x16", hosts=64, chips=256, **_V5E),
     Target("v5p-8", topology="v5p:2x2x1", hosts=1, chips=4, **_V5P),
+    Target("v5p-16", topology="v5p:2x2x2", hosts=2, chips=8, **_V5P),
+    Target("v5p-32", topology="v5p:2x2x4", hosts=4, chips=16, **_V5P),
     Target("v5p-64", topology="v5p:4x4x2", hosts=8, chips=32, **_V5P),
     Target("v4-32", topology="v4:2x2x4", hosts=4, chips=16, chip_config="megacore", **_V4),
     Target("h100", topology="1x1x1", hosts=1, chips=1, **_H100),

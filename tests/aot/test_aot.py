@@ -45,7 +45,8 @@ def test_every_named_target_has_its_chips_on_its_hosts(name):
     device over its two cores, as the pod runs it), spread over its hosts (processes) evenly."""
     target = targets.get(name)
     found = targets.devices(target)
-    want_chips = {"v5e-1": 1, "v5e-8": 8, "v5e-16": 16, "v5e-256": 256, "v5p-8": 4, "v5p-64": 32, "v4-32": 16,
+    want_chips = {"v5e-1": 1, "v5e-8": 8, "v5e-16": 16, "v5e-256": 256, "v5p-8": 4, "v5p-16": 8, "v5p-32": 16,
+                  "v5p-64": 32, "v4-32": 16,
                   "h100": 1, "h100x8": 8}[name]  # v5p and v4 names count TensorCores, two per chip
     assert len(found) == want_chips
     if target.platform == "tpu":
@@ -678,7 +679,7 @@ def test_the_copies_aot_lists_are_the_programs_the_sampling_loop_compiles(device
 
     from arlopti_jax.aot.check import check, prepare
     from arlopti_jax.models import abstract_params, lora, param_shardings
-    from arlopti_jax.rl import pipeline, run_setup
+    from arlopti_jax.rl import pipeline
     from arlopti_jax.runtime import compiles
     from arlopti_jax.store.metrics import Timer
 
@@ -687,8 +688,8 @@ def test_the_copies_aot_lists_are_the_programs_the_sampling_loop_compiles(device
     target = targets.get("local")
     record = check(config, target, groups=("sync",))
     listed = collections.Counter(p["name"] for p in record["programs"])
-    mesh, (cfg, *_) = prepare(config, target)
-    sampler_mesh = run_setup.make_sampler_mesh(config, targets.devices(target))
+    layout, (cfg, *_) = prepare(config, target)
+    mesh, sampler_mesh = layout.mesh, layout.sampler_mesh
     zeros = lambda shardings: jax.tree.map(lambda a, sh: jax.device_put(np.zeros(a.shape, a.dtype), sh),
                                            abstract_params(cfg), shardings)
     trained, frozen = lora.trainable(cfg, zeros(param_shardings(cfg, mesh)))
@@ -738,3 +739,27 @@ def test_with_several_processes_the_sync_gathers_each_array_whole_on_a_trainer_d
     assert programs[("trainer", "log-probs 16x64")]["beside"] == {copies.IN_FLIGHT: cast + gathered}
     assert programs[("trainer", "fingerprint")]["beside"] == {copies.IN_FLIGHT: pytest.approx(gathered, abs=1024)}
     assert record["copies"]["transfers"][0]["from"] == "each array whole on a trainer device"
+
+
+def test_sampler_hosts_sync_each_shard_to_its_mirror_and_both_sides_keep_the_copies():
+    """v5p-32 (4 hosts) with ``rollout.hosts=2``: hosts 0-1 train on 8 chips, 2-3 sample on a mesh that
+    mirrors theirs (fsdp=8). The sync casts (its output kept by the trainer: a checkpoint holds the
+    versions in flight), checks each side, gathers nothing, and moves each chip's shard to its mirror;
+    k + 1 = 2 bfloat16 copies, sharded 8 ways, are resident on each mesh, counted from the model's
+    shape."""
+    from arlopti_jax.aot.check import check
+
+    config = small_config(**{"model.unroll_layers": False, "model.dtype": "bfloat16", "rollout.max_staleness": 1,
+                             "rollout.hosts": 2, "train.micro_batch": 8})
+    record = check(config, targets.get("v5p-32"), groups=("sync", "logprobs"))
+    trainer, sampler = record["meshes"]["trainer"], record["meshes"]["sampler"]
+    assert trainer["mesh"] == sampler["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert trainer["processes"] == sampler["processes"] == 2
+    assert [(p["mesh"], p["name"]) for p in record["programs"] if p["group"] == "sync"] == [
+        ("trainer", "sampler_cast"), ("trainer", "fingerprint"), ("sampler", "fingerprint")]
+    shard = 2 * _params_per_device(8)  # bfloat16
+    assert trainer["resident"]["copies of 2 policy versions"] == sampler["resident"]["copies of 2 policy versions"]
+    assert sampler["resident"]["copies of 2 policy versions"] == pytest.approx(2 * shard, rel=0.01)  # + tile padding
+    (transfer,) = record["copies"]["transfers"]
+    assert transfer["bytes_per_sampler_device"] == sampler["resident"]["copies of 2 policy versions"] // 2
+    assert all(not p["beside"] for p in record["programs"])  # the cast copy is kept: resident, not in flight
