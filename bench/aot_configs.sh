@@ -65,3 +65,23 @@ compile kkqwen3_8b v5p-8 "--config=configs/kk.py:qwen3-8b,grpo_ar_lopti" --confi
   --config.train.batch_prompts=16 --config.train.mini_batch=64
 compile kkgemma3_4b v5p-8 "--config=configs/kk.py:gemma3-4b,grpo_ar_lopti" --config.mesh.fsdp=4 \
   --config.train.micro_batch=4 --config.train.batch_prompts=32 --config.train.mini_batch=128
+# the sampling loop's copies of the policy (issue 78): 3B colocated and with the sampler on devices of its own
+# (rollout.devices: 2 + 2 chips of a v5p-8, 4 + 4 H100s), at max_staleness 0 and 1; and 7B on a v5p-64 as 16 + 16
+# (8 processes: the weight sync gathers each array whole on a trainer chip before it crosses)
+for k in 0 1; do
+  compile "kk3b_colocated_k$k" v5p-8 "--config=configs/layouts/v5p8.py:3b,grpo_ar_lopti" --config.rollout.max_staleness=$k
+  compile "kk3b_split_2+2_k$k" v5p-8 "--config=configs/layouts/v5p8.py:3b,grpo_ar_lopti" --config.rollout.max_staleness=$k \
+    --config.rollout.devices=2 --config.mesh.fsdp=2 --config.train.micro_batch=2
+  compile "kk3b_colocated_k$k" h100x8 "--config=configs/layouts/gpu8x80.py:3b,grpo_ar_lopti" \
+    --config.rollout.max_staleness=$k
+  compile "kk3b_split_4+4_k$k" h100x8 "--config=configs/layouts/gpu8x80.py:3b,grpo_ar_lopti" \
+    --config.rollout.max_staleness=$k --config.rollout.devices=4 --config.mesh.fsdp=4 --config.train.micro_batch=4
+done
+compile kk7b_split_16+16_k1 v5p-64 "--config=configs/layouts/v5p8.py:7b,grpo_ar_lopti" --config.rollout.max_staleness=1 \
+  --config.rollout.devices=16 --config.mesh.fsdp=16 --config.train.micro_batch=16
+# sampler hosts of their own (rollout.hosts, rl/hosts.py): on a v5p-32 hosts 0-1 train and 2-3 sample (8 + 8 chips),
+# on a v5p-16 host 0 trains and host 1 samples (4 + 4); the sampler's mesh mirrors the trainer's, k = 1
+compile kk3b_hosts_8+8_k1 v5p-32 "--config=configs/layouts/v5p8.py:3b,grpo_ar_lopti" --config.rollout.max_staleness=1 \
+  --config.rollout.hosts=2 --config.mesh.fsdp=8 --config.train.micro_batch=8
+compile kk3b_hosts_4+4_k1 v5p-16 "--config=configs/layouts/v5p8.py:3b,grpo_ar_lopti" --config.rollout.max_staleness=1 \
+  --config.rollout.hosts=1 --config.mesh.fsdp=4 --config.train.micro_batch=4
