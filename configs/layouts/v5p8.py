@@ -5,9 +5,11 @@
 
 The argument is configs/kk.py's MODEL,VARIANT. fsdp=4 with per-layer remat fits both models,
 float32 master weights: compiled for a v5p-8 (python -m arlopti_jax.aot, docs/measurements/aot/), the step's
-peak is 47.0 GiB per chip for 3B and 83.5 GiB for 7B, both at the sampler's compaction from 128
-to 64 rows at 4,544 slots (bench/memory_plan.py's estimate: 32 and 60 GiB); data=2 x fsdp=2 does
-not fit 7B. micro_batch = 4: one sequence per chip per micro-batch.
+peak is 52.7 GiB per chip for 3B (2026-12-07; 58.5 at rollout.max_staleness=1, with two copies of
+the policy) and 87.1 GiB for 7B (2026-11-28), both at the sampler's compaction from 128 to 64 rows
+at 4,544 slots, with the sampler's weights whole on each chip for 3B (bench/memory_plan.py's
+estimate: 32 and 60 GiB); data=2 x fsdp=2 does not fit 7B. micro_batch = 4: one sequence per chip
+per micro-batch.
 """
 
 from pathlib import Path
