@@ -20,6 +20,11 @@ their log-softmax and gradients: more than this machine's memory). Ours is
   remat      scanned, each layer recomputed in the backward pass (``remat=True``)
   noshapes   unrolled, without the shape set (rows as long as the budget allows)
 
+and ``FORM@TYPES`` runs FORM with ``--xla_cpu_experimental_ynn_fusion_type=TYPES`` in its process
+(``scanned@-reduce``: YNNPACK's fusions but its reductions; ``scanned@none``: XLA's own fusions, the
+empty value the package set from 2026-12-02 to 2026-12-06, which made SmolLM2's decode wrong on 8 host
+devices).
+
 Each side (every form of ours, and transformers) runs in a process of its own, alone in memory: each
 round starts every side's process in turn (a warm-up step, one timed step per workload, exit). On
 2026-12-03, in one process, ours' first step after a transformers step took 36.6 s against 25-27 s
@@ -168,8 +173,14 @@ def tiny_folder() -> Path:
 def serve(kind: str, folder: str, form: str, chunk: int, vocab: int, groups: list[int], cache: str, conn) -> None:
     """One side in a process of its own (``kind`` 'ours' or 'transformers'): for each workload's
     groups received, one timed step, its seconds sent back; None ends it. ``cache``: ours' persistent
-    compilation cache (a later block of the same form loads its programs)."""
+    compilation cache (a later block of the same form loads its programs). A form ``NAME@TYPES`` runs
+    ``NAME`` with ``--xla_cpu_experimental_ynn_fusion_type=TYPES`` in its process (``none``: the empty
+    value, XLA's own fusions)."""
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    form, _, ynn = form.partition("@")
+    if ynn:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type="
+                                   + ("" if ynn == "none" else ynn)).strip()
     side = Transformers(Path(folder)) if kind == "transformers" else Ours(Path(folder), form, chunk)
     batches = {g: workload(vocab, groups=g) for g in groups}
     conn.send("ready")
@@ -204,7 +215,8 @@ def main(argv=None) -> int:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--folder", type=Path, help="a Hugging Face model folder (float32 on both sides)")
     where.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 (4 layers, hidden 256)")
-    ap.add_argument("--forms", default="unrolled", help=f"comma-separated, of {', '.join(FORMS)}")
+    ap.add_argument("--forms", default="unrolled", help=f"comma-separated, of {', '.join(FORMS)}; FORM@TYPES runs it "
+                    "with XLA:CPU's YNNPACK fusion types TYPES (e.g. scanned@-reduce; @none: XLA's own fusions)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=256,
                     help="model.logprob_chunk: targets per packed row in a vocabulary chunk (smollm2.py:cpu: 64)")
@@ -214,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the records here")
     args = ap.parse_args(argv)
     forms = [f for f in args.forms.split(",") if f]
-    bad = [f for f in forms if f not in FORMS]
+    bad = [f for f in forms if f.partition("@")[0] not in FORMS]
     if bad:
         ap.error(f"--forms: unknown {bad}; forms are {', '.join(FORMS)}")
     try:

@@ -40,7 +40,8 @@ import numpy as np
 
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.rl.episode_host import EpisodeBatch, EpisodeSetup
-from arlopti_jax.rl.evaluation import concat_info, gather_info, info_means, score_episodes, score_rollout, stopped
+from arlopti_jax.rl.evaluation import (concat_info, gather_info, info_means, score_episodes, score_rollout_steps,
+                                       stopped)
 from arlopti_jax.rollout.sampler import drain
 
 
@@ -110,7 +111,8 @@ class Collector:
                                                              self.sampling)
             rollout = stopped(self.config, self.tokenizer, rollout, self.sampling.pad_id)
         with self.timer("reward"):
-            scored = score_rollout(self.config, self.reward_fn, self.tokenizer, mine, rollout, self.n)
+            scored = yield from score_rollout_steps(self.config, self.reward_fn, self.tokenizer, mine, rollout,
+                                                    self.n)
         rewards = scores = scored.scores
         if a.overlong_buffer > 0:
             rewards = scores + overlong_penalty(rollout.lengths, self.sampling.max_response_len, a.overlong_buffer,

@@ -90,13 +90,33 @@ def stopped(config, tokenizer, rollout, pad_id: int):
     return apply_stops(rollout, tokenizer, tuple(config.rollout.stop), config.rollout.include_stop_str, pad_id)
 
 
-def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: int) -> Scored:
+SCORE_PARTS = 4  # a training batch is scored in this many parts, the sampling loop's turns between them
+
+
+def score_rollout(config, reward_fn, tokenizer, rows: list[dict], rollout, n: int, parts: int = 1) -> Scored:
     """Every response of ``rollout`` scored; rows[i // n] is response i's prompt."""
+    from arlopti_jax.rollout.sampler import drain
+
+    return drain(score_rollout_steps(config, reward_fn, tokenizer, rows, rollout, n, parts))
+
+
+def score_rollout_steps(config, reward_fn, tokenizer, rows: list[dict], rollout, n: int, parts: int = SCORE_PARTS):
+    """``score_rollout`` as a generator that scores the responses in ``parts`` runs of whole groups
+    (each part's in parallel, ``reward.workers``) and yields between them, so the sampling loop can
+    dispatch the update's next programs while the host scores (``rl/pipeline.py``); returns the
+    ``Scored``. The scores are the same in any number of parts: a reward is a function of its text."""
     texts = decode_solutions(tokenizer, rows, rollout, n)
     sources = [rows[i // n]["data_source"] for i in range(len(texts))]
-    rewards = score_rewards(reward_fn, sources, texts, [rows[i // n]["ground_truth"] for i in range(len(texts))],
-                            [rows[i // n]["extra_info"] for i in range(len(texts))],
-                            num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+    groups = -(-len(texts) // n) if n else 0
+    bounds = sorted({min(len(texts), (groups * j // max(parts, 1)) * n) for j in range(max(parts, 1) + 1)})
+    rewards = []
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if i:
+            yield  # the other task's turn: the host scores the rest afterwards
+        rewards += score_rewards(reward_fn, sources[lo:hi], texts[lo:hi],
+                                 [rows[j // n]["ground_truth"] for j in range(lo, hi)],
+                                 [rows[j // n]["extra_info"] for j in range(lo, hi)],
+                                 num_workers=config.reward.workers, timeout_s=config.reward.timeout_s)
     correct_at = config.reward.get("correct_at")
     keys = sorted({k for r in rewards for k in r.info})
     return Scored(texts, np.array([r.score for r in rewards], np.float32),

@@ -273,7 +273,8 @@ class Trainer:
             diagnose = bool(config.train.diagnostics_every) and step % config.train.diagnostics_every == 0
             update = Task("update", self.updater.steps(self.params, self.opt_state, sampled.step_batch, step,
                                                        diagnose), self.timer)
-        run_together(update, loop.ahead(step))
+        run_together(loop.ahead(step), update)  # the sampler first: its decode gets to the devices before the
+        # update's passes, so the scoring (the host's) can begin sooner and run beside the update
         self.timer.resume()
         error = None
         if update is not None:

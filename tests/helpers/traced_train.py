@@ -79,9 +79,7 @@ def one_after_another(*tasks, on_turn=None):
     for before the sampler's are dispatched."""
     import jax
 
-    for task in tasks:
-        if task is None:
-            continue
+    for task in sorted((t for t in tasks if t is not None), key=lambda t: t.name != "update"):  # the update first
         while not task.done:
             task.turn()
         if task.name == "update":

@@ -51,13 +51,14 @@ def events_of(run):
 
 
 def check_overlap(events, steps: int, k: int = 1):
-    """Each step with a batch left to sample ahead (t < steps - k): once the update has begun, a decode
-    loop of the sampler's goes out before the host first waits for the update's results."""
-    for step in range(steps - k):
+    """Each step after the first with a batch left to sample ahead (0 < t < steps - k: the first samples
+    its own batch before its update): a decode loop of the sampler's goes out before the host first
+    waits for the update's results, and the update has begun by then."""
+    for step in range(1, steps - k):
         mine = [e for s, e in events if s == step]
         assert "update began" in mine and "update waited for" in mine, (step, mine)
-        began, waited = mine.index("update began"), mine.index("update waited for")
-        assert "sampler dispatched a decode loop" in mine[began:waited], (
+        waited = mine.index("update waited for")
+        assert "update began" in mine[:waited] and "sampler dispatched a decode loop" in mine[:waited], (
             f"step {step}: the loop waited for the update before the sampler's next programs went out: {mine}")
 
 
