@@ -378,8 +378,11 @@ def check_launch(tokens: list[str], world, *, processes: int, devices: int, scri
     args = substitute(args, path_arguments("arlopti_jax.train", args, world["root"]), world)
     env = {**os.environ, STARTUP_CHECK_ENV: "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={processes * devices}"}
-    proc = subprocess.run([sys.executable, "-m", "arlopti_jax.train", *args], cwd=world["root"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "arlopti_jax.train", *args]
+    if any(a.startswith("--config.rollout.hosts=") for a in args):  # roles are processes: run that many
+        env.update(XLA_FLAGS="", PYTHON=sys.executable)
+        command = ["bash", str(REPO / "launch" / "local.sh"), str(processes), "--devices", str(devices), "--", *args]
+    proc = subprocess.run(command, cwd=world["root"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "start-up check passed" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
 
 
