@@ -36,8 +36,8 @@ programs without loops, where it is meaningful; ``hlo.tpu_estimate`` removes lib
 (``aot/compiler.py``) adds what stays resident on its mesh (parameters, optimizer state, the
 reference policy, the copies of the policy versions in flight) and what is alive beside it (the
 sampler's copy of the weights through a rollout; colocated at k >= 1 the sampler's state while the
-update runs between its programs; a weight sync's buffers in flight) to its own arguments, outputs
-and temporaries. Each mesh's peak is the largest of its programs'.
+log-prob passes and the update run between its programs; a weight sync's buffers in flight) to its
+own arguments, outputs and temporaries. Each mesh's peak is the largest of its programs'.
 """
 
 from __future__ import annotations
@@ -213,8 +213,10 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
         spec = lambda arrays: {k: abstract(v.shape, v.dtype, row) for k, v in arrays.items()}
         entropy = bool(run.weight_cfg.entropy_top_fraction)  # pi_old's entropies (80/20): with pi_old's pass
         plain = ["the reference policy"] * run.use_reference + ["pi_old"] * (recompute and not entropy)
+        beside_logprobs, beside_update = copies.overlap(plan, compiler.programs)
         with shd.activate(mesh, step.rules):
-            compiler.group, compiler.beside = "logprobs", copies.in_flight(plan, compiler.programs)
+            compiler.group = "logprobs"
+            compiler.beside = {**copies.in_flight(plan, compiler.programs), **beside_logprobs}
             for shape, (_, logprob_host) in arrays.items():
                 compiler.runs = plain
                 if "logprobs" in groups and plain:
@@ -224,7 +226,7 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
                     compiler(f"log-probs+entropy {_shape(shape)}", run.logprobs.with_entropy_jitted, params,
                              spec(logprob_host))
             compiler.group, compiler.runs = "update", []
-            compiler.beside = {**compiler.beside, **copies.overlap(plan, compiler.programs)}
+            compiler.beside = {**copies.in_flight(plan, compiler.programs), **beside_update}
             if "update" in groups:
                 trained, frozen = lora.trainable(run.model_cfg, params)  # the adapters and the base with LoRA
                 acc = compiler("zeros", step._zeros, trained)

@@ -9,9 +9,10 @@ them), and the new one, so k + 1 through the step, k = ``rollout.max_staleness``
 
 - colocated (``rollout.devices=0``), k >= 1: ``sampler_copy`` on the trainer's mesh, the copy in the
   parameters' own dtype and sharding, resident beside the training state. The update's programs are
-  dispatched between the sampler's (``pipeline.run_together``: after its first decode loop), so on
-  the shared devices they run while the sampler holds its copy of the weights and the first decode
-  loop's state (its KV cache); those count in the update's peak.
+  dispatched between the sampler's (``pipeline.run_together``), so on the shared devices the log-prob
+  passes run while the sampler holds its copy of the weights and its first decode loop's state (its
+  KV cache), the update's programs while it holds its second loop's (``overlap``); those count in
+  their peaks.
 - colocated, k = 0: no copy (the sampler reads the trainer's arrays before the update).
 - the sampler on its own mesh (``rollout.devices``), any k: the weight sync. ``sampler_cast`` casts the
   trained part to the sampler's compute dtype on the trainer's devices (``pipeline.sync_dtype``; none
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
@@ -48,6 +50,7 @@ from arlopti_jax.runtime import sharding as shd
 
 IN_FLIGHT = "the weight sync's buffers in flight"  # ``Compiler.beside``'s names
 FIRST_DECODE = "the rollout's first decode state"
+SECOND_DECODE = "the rollout's second decode state (the largest it can be)"
 
 
 @dataclasses.dataclass
@@ -207,13 +210,25 @@ def in_flight(p: Plan, programs: list) -> dict[str, int]:
     return {IN_FLIGHT: held}
 
 
-def overlap(p: Plan, programs: list) -> dict[str, int]:
-    """What the sampler holds on the shared devices while the update's programs run (colocated, k >= 1:
-    they are dispatched after its first decode loop): its copy of the weights and that loop's state,
-    as the rollout's programs made them. {} where nothing overlaps or the rollouts were not compiled."""
+def overlap(p: Plan, programs: list) -> tuple[dict[str, int], dict[str, int]]:
+    """What the sampler holds on the shared devices (colocated, k >= 1) while the log-prob passes run,
+    and while the update's programs run: ``run_together(sampler, update)`` dispatches the sampler's
+    first turn (up to its first decode loop), the log-prob passes, its second turn (the compactions
+    or growth after the first loop, and the second loop), then the update's programs, so those run
+    beside its copy of the weights and the first loop's state, and beside the weights and the second
+    loop's state: the largest such loop's (fewer rows in the first phase, or any rows in the second;
+    none where one loop is the whole rollout, which has ended by then). As the rollout's programs made
+    them; ({}, {}) where nothing overlaps or the rollouts were not compiled."""
     if p.own_mesh or not p.k:
-        return {}
+        return {}, {}
     rollout = [q for q in programs if q.group == "rollout"]
     weights = next((q.memory["output"] for q in rollout if q.name == "sampling weights"), 0)
-    decode = next((q.memory["output"] for q in rollout if q.name.startswith("decode")), 0)
-    return {SAMPLER_WEIGHTS: weights, FIRST_DECODE: decode}
+    loops = [(int(m.group(1)), int(m.group(2)), q.memory["output"]) for q in rollout
+             if (m := re.fullmatch(r"decode rows=(\d+) slots=(\d+)", q.name))]
+    if not loops:
+        return {}, {}
+    rows, slots, first = loops[0]
+    phases = sorted({s for _, s, _ in loops})
+    second = [out for r, s, out in loops[1:] if (s == slots and r < rows) or (len(phases) > 1 and s == phases[1])]
+    during_update = {SAMPLER_WEIGHTS: weights, SECOND_DECODE: max(second)} if second else {}
+    return {SAMPLER_WEIGHTS: weights, FIRST_DECODE: first}, during_update

@@ -582,13 +582,16 @@ def test_colocated_k1_keeps_a_copy_per_version_and_the_sampler_state_beside_the_
     (``sampler_copy``) and checks the copy (``fingerprint`` of each side), and 2 copies (k + 1) of the
     float32 weights stay resident beside the parameters and AdamW state: 5 x 4 bytes per parameter
     per device, counted from the model's shape. pi_old is the trainer's pass (the only log-prob pass,
-    with the KL off). The update's programs run between the sampler's (after its first decode loop),
-    so its copy of the weights and that loop's state count beside them."""
+    with the KL off). The sampler takes the first turn: the log-prob passes run beside its copy of the
+    weights and its first decode loop's state (4 rows a device, the first phase's slots), the update's
+    programs beside its second loop's, the largest it can be (the 4 rows grown to the second phase's
+    slots, not 2 rows compacted in the first phase's)."""
     from arlopti_jax.aot import copies
     from arlopti_jax.aot.check import check
 
     config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False, "rollout.max_staleness": 1,
-                             "model.dtype": "bfloat16"})
+                             "model.dtype": "bfloat16", "rollout.length_aware": True, "rollout.min_rows": 2,
+                             "rollout.phase_tokens": 8})
     record = check(config, targets.get("h100x8"))
     per_device = _params_per_device(8)
     programs = record["programs"]
@@ -602,12 +605,15 @@ def test_colocated_k1_keeps_a_copy_per_version_and_the_sampler_state_beside_the_
     assert trainer["resident"]["copies of 2 policy versions"] == 8 * per_device
     copy = next(p for p in programs if p["name"] == "sampler_copy")  # the second copy is its output
     assert copy["resident"] == trainer["resident_bytes_per_device"] - 4 * per_device
-    rollout = [p for p in programs if p["group"] == "rollout"]
-    weights, decode = rollout[0], next(p for p in rollout if p["name"].startswith("decode"))
+    rollout = {p["name"]: p for p in programs if p["group"] == "rollout"}
+    first, second = (rollout[f"decode rows=4 slots={32 + end}"]["memory"]["output"] for end in (8, 16))
+    assert rollout["decode rows=2 slots=40"]["memory"]["output"] < second
+    weights = {"the sampler's weights": rollout["sampling weights"]["memory"]["output"]}
     for p in programs:
+        if p["group"] == "logprobs":
+            assert p["beside"] == {**weights, copies.FIRST_DECODE: first}, p
         if p["group"] == "update":
-            assert p["beside"] == {"the sampler's weights": weights["memory"]["output"],
-                                   copies.FIRST_DECODE: decode["memory"]["output"]}, p
+            assert p["beside"] == {**weights, copies.SECOND_DECODE: second}, p
         m = p["memory"]
         assert p["peak_bytes_per_device"] == (p["resident"] - p["resident_args"] + sum(p["beside"].values())
                                               + m["argument"] + m["output"] - m["alias"] + m["temp"])
