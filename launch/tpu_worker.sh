@@ -35,6 +35,16 @@ me=$(worker)
 
 say() { echo "tpu_worker.sh: worker $me: $*"; }
 
+# as root: TPU VMs log in a user with passwordless sudo; a machine without sudo (a container running as
+# root, CI) runs the command itself
+as_root() {
+  if [[ $(id -u) -ne 0 ]] && command -v sudo > /dev/null; then
+    sudo "$@"
+  else
+    "$@"
+  fi
+}
+
 # processes whose command line starts with $1 and holds $2
 pids_of() {
   local pid cmd
@@ -52,7 +62,7 @@ waiter_pids() { pids_of bash " _run $logs/"; }
 
 chips_held() {
   local devices=(/dev/accel* /dev/vfio/[0-9]*)
-  [[ ${#devices[@]} -gt 0 ]] && sudo lsof -t -w "${devices[@]}" 2> /dev/null | grep -q .
+  [[ ${#devices[@]} -gt 0 ]] && as_root lsof -t -w "${devices[@]}" 2> /dev/null | grep -q .
 }
 
 stop_run() {
@@ -79,14 +89,14 @@ stop_run() {
   while chips_held; do
     if [[ $waited -ge 60 ]]; then
       say "the TPU chips are still held after 60 s:"
-      sudo lsof -w /dev/accel* /dev/vfio/[0-9]* >&2 || true
+      as_root lsof -w /dev/accel* /dev/vfio/[0-9]* >&2 || true
       exit 1
     fi
     sleep 1
     waited=$((waited + 1))
   done
   if [[ -e /tmp/libtpu_lockfile ]]; then
-    sudo rm -f /tmp/libtpu_lockfile  # a killed process leaves it behind
+    as_root rm -f /tmp/libtpu_lockfile  # a killed process leaves it behind
   fi
 }
 
@@ -117,13 +127,13 @@ mount_bucket() {
     fusermount -u "$dir"  # mounted read-write by an earlier launcher: remount read-only
   fi
   if ! command -v gcsfuse > /dev/null; then
-    curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee /usr/share/keyrings/cloud.google.asc > /dev/null
+    curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | as_root tee /usr/share/keyrings/cloud.google.asc > /dev/null
     echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt gcsfuse-$(lsb_release -cs) main" |
-      sudo tee /etc/apt/sources.list.d/gcsfuse.list > /dev/null
-    sudo apt-get update -q && sudo apt-get install -y -q gcsfuse
+      as_root tee /etc/apt/sources.list.d/gcsfuse.list > /dev/null
+    as_root apt-get update -q && as_root apt-get install -y -q gcsfuse
   fi
-  sudo mkdir -p "$dir"
-  sudo chown "$USER" "$dir"
+  as_root mkdir -p "$dir"
+  as_root chown "$USER" "$dir"
   # read-only: the model and the data are read through it; checkpoints go to gs:// directly
   gcsfuse -o ro --implicit-dirs "$bucket" "$dir"
   say "gs://$bucket mounted read-only at $dir"

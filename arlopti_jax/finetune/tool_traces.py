@@ -24,6 +24,11 @@ never trains on a problem whose answer the warm start showed.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import argparse
 import json
 import random

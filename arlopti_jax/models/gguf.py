@@ -25,6 +25,11 @@ written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a command: its own process's settings before JAX loads (runtime/process.py)
+    from arlopti_jax.runtime import process
+
+    process.prepare()
+
 import argparse
 import json
 import shutil
