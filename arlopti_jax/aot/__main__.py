@@ -13,6 +13,11 @@ shape), or, when that folder is not on this machine, from its Qwen2.5 size
 (``arlopti_jax/aot/shapes.py``). The sampler's prompt width is the longest prompt of the data,
 as ``train`` pads it, when the data and the tokenizer are here; else ``data.max_prompt_length``.
 
+With tool episodes (``env.name``) the rollout's programs are the episodes' (``rollout/episodes.py``,
+the list ``train``'s warm-up compiles): the prefill, ``episode start``, and per row bucket and phase
+the decode loop, the ``resume`` that feeds the host's observations, the compaction, growth and scatter;
+their shapes do not depend on the number of turns, so one set serves every episode.
+
 The step's programs include the copies of the policy it makes for the sampler: at
 ``rollout.max_staleness`` k >= 1 the colocated snapshot and its checksums; with the sampler on its
 own devices (``rollout.devices``) the weight sync (the cast, with several processes the gather of

@@ -9,7 +9,11 @@ the run's shardings; nothing is allocated), then lowers and compiles every progr
   the sampler's own mesh (``aot/copies.py``: which programs, on which mesh, what they keep resident);
 - rollout: the sampler's prefill, start and decode loop(s), and with ``rollout.length_aware``
   every compaction, growth and scatter its schedule can reach (``Sampler.schedule``, which
-  ``train``'s warm-up compiles too), reading the copy the sampler reads;
+  ``train``'s warm-up compiles too), reading the copy the sampler reads; with tool episodes
+  (``env.name``) the episodes' programs instead (``EpisodeSampler.schedule``, the warm-up's list
+  too: the prefill, ``episode start``, and per row bucket and phase a decode loop, a ``resume``
+  that feeds the observations, a compaction, a growth and a scatter; none depends on the number
+  of turns);
 - log-probs: the packed teacher-forced pass, for pi_old wherever the trainer recomputes it
   (``update.recompute_old_logprobs``) and for the reference policy's (the KL term), one program for
   both (``runs`` says which), and pi_old's entropies where the token selection reads them;
@@ -57,6 +61,7 @@ from arlopti_jax.aot.compiler import Compiler, DoesNotFit, Program, abstract, ad
 from arlopti_jax.aot.targets import GIB, Target
 from arlopti_jax.models import lora
 from arlopti_jax.rl import run_setup
+from arlopti_jax.rl.episode_host import rollout_programs
 from arlopti_jax.rl.update import recompute_old_logprobs
 from arlopti_jax.rollout.sampling import bucket
 from arlopti_jax.runtime import sharding as shd
@@ -196,14 +201,15 @@ def check(config, target: Target, *, verbose: bool = False, eval_programs: bool 
         if "sync" in groups:
             transfers = copies.compile_sync(plan, compiler, rollouts if plan.own_mesh else None)
         rollouts.group = "rollout"
-        if "rollout" in groups:
-            run.rollout_sampler.programs(plan.rollout_params(params), c.train.batch_prompts, longest, c.rollout.n,
-                                         run.sampling(), rollouts)
+        if "rollout" in groups:  # with env.name, the episodes' programs (the warm-up's list)
+            rollout_programs(c, run.rollout_sampler).programs(plan.rollout_params(params), c.train.batch_prompts,
+                                                              longest, c.rollout.n, run.sampling(), rollouts)
         if eval_programs:
             compiler.group = "eval"
             cap = c.train.batch_prompts * c.rollout.n
-            run.sampler.programs(params, cap, longest, 1, run.sampling(greedy=True), compiler)
-            run.sampler.programs(params, max(1, cap // c.train.eval_n), longest, c.train.eval_n,
+            evaluations = rollout_programs(c, run.sampler)
+            evaluations.programs(params, cap, longest, 1, run.sampling(greedy=True), compiler)
+            evaluations.programs(params, max(1, cap // c.train.eval_n), longest, c.train.eval_n,
                                  run.sampling(temperature=c.train.eval_temperature), compiler)
         batch, order, packing = worst_case_batch(run)
         step = run.train_step

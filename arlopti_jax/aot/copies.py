@@ -218,17 +218,21 @@ def overlap(p: Plan, programs: list) -> tuple[dict[str, int], dict[str, int]]:
     beside its copy of the weights and the first loop's state, and beside the weights and the second
     loop's state: the largest such loop's (fewer rows in the first phase, or any rows in the second;
     none where one loop is the whole rollout, which has ended by then). As the rollout's programs made
-    them; ({}, {}) where nothing overlaps or the rollouts were not compiled."""
+    them; ({}, {}) where nothing overlaps or the rollouts were not compiled. Tool episodes (``env.name``)
+    yield after each decode loop and each ``resume`` (the host's answers fed), so their second turn
+    may also end at the first loop's resume, its state the first loop's size."""
     if p.own_mesh or not p.k:
         return {}, {}
     rollout = [q for q in programs if q.group == "rollout"]
     weights = next((q.memory["output"] for q in rollout if q.name == "sampling weights"), 0)
     loops = [(int(m.group(1)), int(m.group(2)), q.memory["output"]) for q in rollout
-             if (m := re.fullmatch(r"decode rows=(\d+) slots=(\d+)", q.name))]
+             if (m := re.fullmatch(r"(?:episode )?decode rows=(\d+) slots=(\d+)", q.name))]
     if not loops:
         return {}, {}
     rows, slots, first = loops[0]
     phases = sorted({s for _, s, _ in loops})
     second = [out for r, s, out in loops[1:] if (s == slots and r < rows) or (len(phases) > 1 and s == phases[1])]
+    # tool episodes: the second turn may be the first loop's resume (the observations fed), as large as the first
+    second += [q.memory["output"] for q in rollout if q.name == f"episode resume rows={rows} slots={slots}"]
     during_update = {SAMPLER_WEIGHTS: weights, SECOND_DECODE: max(second)} if second else {}
     return {SAMPLER_WEIGHTS: weights, FIRST_DECODE: first}, during_update

@@ -95,6 +95,13 @@ class EpisodeHost(Protocol):
         """Each ended turn's observation ids (at most ``observation_tokens``), or None: the episode ends."""
 
 
+def _outputs(state: ep.EpisodeState) -> dict:
+    """A state's outputs as they are, outside a program: ``ep.outputs`` constrains their sharding, which
+    run eagerly is a program of its own per array (compiled after the warm-up, and on aot's compile-only
+    devices not at all); the programs' output shardings put them in the rows' sharding already."""
+    return {name: getattr(state, name) for name in ep.OUTPUTS}
+
+
 def episode_sampler(sampler: Sampler, spec: EpisodeSpec) -> "EpisodeSampler":
     """``sampler``'s one ``EpisodeSampler`` for ``spec``: the warm-up, the rollouts and the evaluations
     share its jitted programs, so each compiles once."""
@@ -215,7 +222,7 @@ class EpisodeSampler:
             if phase + 1 < len(ends) and slots - cursor < max(1, ends[phase] // 4):
                 phase += 1
                 state = self._grow(state, slots=batch.ids.shape[1] + ends[phase])
-        final = ep.outputs(state) if out is None else self._scatter(out, ep.row_part(state))
+        final = _outputs(state) if out is None else self._scatter(out, ep.row_part(state))
         fetch = lambda x: dist.local_rows(x)[:count]
         kind = fetch(final["kind"])
         rollout = Rollout(
@@ -295,7 +302,7 @@ class EpisodeSampler:
         first = b * n // div
         buckets = [first] + ([1 << i for i in reversed(range((first - 1).bit_length())) if 1 << i >= sampling.min_rows]
                              if sampling.length_aware else [])
-        full = start.part(ep.outputs)
+        full = start.part(_outputs)
         states = {(first, 0): start}
         for phase, end in enumerate(ends):
             for i, rows in enumerate(buckets):

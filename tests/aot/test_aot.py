@@ -566,6 +566,81 @@ def test_the_sampler_weights_count_in_every_rollout_programs_peak():
     assert programs["sampling"]["collectives"]["all-gather"]["count"] > 0  # gathered once per rollout
 
 
+def _episode_programs(first: int, buckets: tuple[int, ...], slots: tuple[int, ...]) -> list[str]:
+    """The names of a length-aware episode schedule's programs, spelled out from how a batch of episodes
+    runs (``rollout/episodes.py``): the copy, the prefill and the start, then per phase (its cache
+    ``slots``) and row bucket reached a decode loop and a resume (the observations fed); a compaction
+    to the next bucket; in the first phase a scatter of the compacted rows into the whole batch's
+    outputs, and a growth into the next phase from every bucket."""
+    names = ["sampling weights", "prefill", "episode start"]
+    for phase, s in enumerate(slots):
+        for i, rows in enumerate(buckets):
+            names += [f"episode decode rows={rows} slots={s}", f"episode resume rows={rows} slots={s}"]
+            if rows != first and phase == 0:
+                names.append(f"episode scatter rows={rows}")
+            if i + 1 < len(buckets):
+                names.append(f"episode compact rows={rows} slots={s}")
+            if phase + 1 < len(slots):
+                names.append(f"episode grow rows={rows} slots={s}")
+    return names
+
+
+def test_tool_episodes_compile_every_episode_program_and_count_them_in_the_peak():
+    """With ``env.name`` (the calculator, Qwen's ``<tool_call>`` format) the rollout's programs are the
+    episodes': on 8 H100s, 8 prompts x 4 samples (4 rows a device, then 2), phases of 8 and 16 slots
+    after the 32-token prompt, every one of them is compiled (none of the single-turn sampler's),
+    counted, printed in the table, and the mesh's peak is the largest of theirs."""
+    from arlopti_jax.aot.__main__ import format_record
+    from arlopti_jax.aot.check import check
+
+    config = small_config(**{"loss.kl_coef": 0.0, "model.unroll_layers": False, "rollout.length_aware": True,
+                             "rollout.min_rows": 2, "rollout.phase_tokens": 8, "env.name": "calc",
+                             "env.turn_tokens": 8, "env.observation_tokens": 4})
+    record = check(config, targets.get("h100x8"), groups=("rollout",))
+    names = [p["name"] for p in record["programs"]]
+    want = _episode_programs(4, (4, 2), (40, 48))
+    assert sorted(names) == sorted(want), (names, want)
+    assert {n.split()[1] for n in want[3:]} == {"decode", "resume", "compact", "grow", "scatter"}
+    table = format_record(record)
+    for name in want:
+        assert f"rollout {name}"[:40] in table, name
+    assert f"{len(want)} programs compiled" in table
+    trainer = record["meshes"]["trainer"]
+    peak = max(record["programs"], key=lambda p: p["peak_bytes_per_device"])
+    assert trainer["peak_bytes_per_device"] == record["peak_bytes_per_device"] == peak["peak_bytes_per_device"]
+    assert trainer["peak_program"] == f"rollout {peak['name']}"
+    weights = next(p for p in record["programs"] if p["name"] == "sampling weights")["memory"]["output"]
+    for p in record["programs"]:  # the sampler's copy of the weights, held through every episode program: beside
+        if p["name"].split()[0] == "episode" and not p["name"].startswith("episode decode"):  # those not taking it
+            # its shards' bytes (the copy program's output size adds a few hundred bytes of tables)
+            assert abs(p["beside"]["the sampler's weights"] - weights) < 1024, p["name"]
+
+
+def test_the_update_beside_tool_episodes_counts_the_first_loops_resume():
+    """Colocated at k = 1 the update's programs run beside the sampler's second turn: for tool episodes
+    that may be the first loop's resume (the state the first loop's size) when no compaction or growth
+    follows it, so the largest second state counts it (``copies.overlap``, on programs made here)."""
+    import types
+
+    from arlopti_jax.aot import copies
+    from arlopti_jax.aot.compiler import SAMPLER_WEIGHTS
+
+    def program(name, output):
+        return types.SimpleNamespace(group="rollout", name=name, memory={"output": output})
+
+    plan = types.SimpleNamespace(own_mesh=False, k=1)
+    episodes = [program("sampling weights", 100), program("episode decode rows=4 slots=40", 50),
+                program("episode resume rows=4 slots=40", 51), program("episode decode rows=2 slots=40", 30),
+                program("episode resume rows=2 slots=40", 31)]
+    during_logprobs, during_update = copies.overlap(plan, episodes)
+    assert during_logprobs == {SAMPLER_WEIGHTS: 100, copies.FIRST_DECODE: 50}
+    assert during_update == {SAMPLER_WEIGHTS: 100, copies.SECOND_DECODE: 51}
+    single = [program("sampling weights", 100), program("decode rows=4 slots=40", 50),
+              program("decode rows=2 slots=40", 30)]
+    assert copies.overlap(plan, single)[1] == {SAMPLER_WEIGHTS: 100, copies.SECOND_DECODE: 30}
+    assert copies.overlap(plan, single[:2]) == ({SAMPLER_WEIGHTS: 100, copies.FIRST_DECODE: 50}, {})
+
+
 def _params_per_device(shards: int) -> float:
     """The embedded model's parameters per device over ``shards`` fsdp devices, counted from its shape:
     every weight split, except the norms and the attention biases (no dimension that fsdp shards)."""

@@ -1,11 +1,12 @@
 """A scripted environment for the tool-episode tests: any model plays it, tool call or not.
 
 ``ScriptedEnv`` answers every turn with an observation in multi-byte text (accents, a dash, a
-check mark, CJK) naming the turn and the action's length, until its ``turns``-th turn (default 3),
-which ends the episode; the reward part ``answer`` is 1 when the episode's actions hold an even
-number of characters in all, else 0, and ``length`` is -0.01 per character: rewards that vary
-within a group, from the text alone (deterministic, so a resumed run replays them). Each instance
-keeps what it saw (``actions``) and said (``observations``)."""
+check mark, CJK) naming the turn and the action's length, until its ``turns``-th turn (default 3;
+a list: ``turns[len(first action) % len(turns)]``, by the policy's first draws, so the episodes of
+one prompt end at different turns), which ends the episode; the reward part ``answer`` is 1 when
+the episode's actions hold an even number of characters in all, else 0, and ``length`` is -0.01
+per character: rewards that vary within a group, from the text alone (deterministic, so a resumed
+run replays them). Each instance keeps what it saw (``actions``) and said (``observations``)."""
 
 from arlopti_jax.tasks.envs import Step
 
@@ -17,7 +18,7 @@ class ScriptedEnv:
     tools: list = []
     instructions = None
 
-    def __init__(self, turns: int = 3, fail_on: str = ""):
+    def __init__(self, turns: int | list[int] = 3, fail_on: str = ""):
         self.turns, self.fail_on = turns, fail_on
         self.actions, self.observations = [], []
 
@@ -27,6 +28,8 @@ class ScriptedEnv:
 
     def step(self, action):
         self.actions.append(action)
+        if isinstance(self.turns, list):
+            self.turns = self.turns[len(action) % len(self.turns)]
         if self.fail_on and self.fail_on in action:
             raise RuntimeError("scripted failure")
         info = {"tool_calls": 1, "tool_seconds": 0.001}
