@@ -78,6 +78,7 @@ from pathlib import Path
 
 from arlopti_jax.experiments import matched
 from arlopti_jax.config.cli import startup_done
+from arlopti_jax.runtime.chips import start_backend
 from arlopti_jax.experiments.matched_report import write_matched_report
 from arlopti_jax.experiments.sweep import (MATCHED_METHODS, PAPER_VARIANTS, QUICK, SCALE_RUNS, VARIANTS, Sweep,
                                            base_config)
@@ -213,6 +214,7 @@ def main(argv=None) -> int:
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variant(s) {unknown}: choose from {list(VARIANTS)}")
+    start_backend()  # JAX's platform choice, without the plugins' load lines (runtime/process.py)
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: must be >= 1")
     matched.check_arguments(ap, args)

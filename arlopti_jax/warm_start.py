@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jax
 
+from arlopti_jax.runtime.chips import start_backend
 from arlopti_jax.embedded.start_point import ANSWER_OPENING, SCALE_FILE, compact_rows
 from arlopti_jax.tasks.kk import write_parquet
 
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not (Path(args.folder) / SCALE_FILE).is_file():
         parser.error(f"{args.folder}: not a start point folder (no {SCALE_FILE}; the default builds runs/start_point)")
+    start_backend()  # JAX's platform choice, without the plugins' load lines (runtime/process.py)
     for n, (acc, count) in forced_accuracy(args.folder, args.rows).items():
         print(f"{n} people: forced-block greedy accuracy {acc:.3f} on {count} held-out puzzles "
               f"(guessing {0.5 ** n:.3f})")
