@@ -29,7 +29,7 @@ from arlopti_jax.runtime import chips, paths
 from arlopti_jax.runtime import distributed as dist
 from arlopti_jax.runtime import sharding as shd
 from arlopti_jax.models import lora
-from arlopti_jax.rl import resume, run_setup
+from arlopti_jax.rl import episode_host, resume, run_setup
 from arlopti_jax.config.cli import Command, startup_done
 from arlopti_jax.config import DEFAULT_CONFIG
 from arlopti_jax.rl.evaluation import Evaluator, append_jsonl, format_table
@@ -100,6 +100,8 @@ def main(argv) -> int:
             resume.check_checkpoint_base(folder, model_path, config.model.lora_rank)
             resume.check_checkpoint(config, run_setup.model_config(config, model_path), folder=folder, resuming=False)
         tokenizer = run_setup.load_tokenizer(model_path)
+        if config.env.name:  # episodes as training runs them: a format the chat template cannot give stops here
+            episode_host.check_episodes(config, tokenizer)
         sets = {}
         for f in test_files:
             try:

@@ -153,7 +153,14 @@ def world(tmp_path_factory):
         for name, rows in zip(("train", "test_calc"), calc.generate(64, 64)):
             calc.write_parquet([{**r, "prompt": prompt_messages(r["extra_info"]["question"], NO_TOOL)} for r in rows],
                                start / "data" / f"{name}.parquet")
+    for split, rows in zip(("train", "test"), calc.generate(64, 64)):  # python -m arlopti_jax.tasks.calc's
+        calc.write_parquet(rows, root / "data" / "calc" / f"{split}.parquet")
     _stand_in_tokenizer(root / "data").save_pretrained(model)  # start-ups tokenize the prompts
+    # a tool episode's absent model folder (a Qwen2.5 one) gets a stand-in whose template supports tools
+    from chat_templates import QWEN25_TEMPLATE
+
+    qwen_model = write_hf_model(root / "stand_in" / "qwen_model", vocab_size=4096)
+    _stand_in_tokenizer(root / "data", QWEN25_TEMPLATE).save_pretrained(qwen_model)
     (root / "pairs.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "response": sft_target(r)}) + "\n"
                                               for r in kk))
     # the embedded default's start point, as ensure_start_point recognises a finished one
@@ -184,14 +191,16 @@ def world(tmp_path_factory):
     records = root / "stand_in" / "sweep"
     records.mkdir(parents=True)
     (records / "results.json").write_text(json.dumps({"runs": {"grpo/seed0": {"finished": True}}, "matched": {}}))
-    return {"root": root, "model": model, "checkpoint": checkpoint, "checkpoint_lora": checkpoint_lora,
-            "records": records,
+    return {"root": root, "model": model, "qwen_model": qwen_model, "checkpoint": checkpoint,
+            "checkpoint_lora": checkpoint_lora, "records": records,
             "data_file": root / "data" / "kk" / "3ppl" / "train.parquet"}
 
 
-def _stand_in_tokenizer(data: Path):
+def _stand_in_tokenizer(data: Path, template: str | None = None):
     """A byte-level BPE tokenizer trained on the stand-in data's prompts, with a chat template:
-    the prompts fit the configs' max_prompt_length as the real models' tokenizers make them fit."""
+    the prompts fit the configs' max_prompt_length as the real models' tokenizers make them fit.
+    ``template``: one with tools (Qwen2.5's), whose tools section, written for ``calc``'s tool, is
+    trained on too, and whose call markers are tokens of their own, as in Qwen2.5's vocabulary."""
     import pyarrow.parquet as pq
     import transformers
     from task_fixtures import CHAT_TEMPLATE, SPECIAL_TOKENS
@@ -199,15 +208,24 @@ def _stand_in_tokenizer(data: Path):
 
     texts = [m["content"] for f in sorted(data.rglob("*.parquet"))
              for prompt in pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist() for m in prompt]
+    if template is not None:
+        from arlopti_jax.tasks.envs import load_environment
+
+        tools = load_environment("calc").tools
+        renderer = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()),
+                                                        chat_template=template)
+        texts.append(renderer.apply_chat_template([{"role": "user", "content": "q"}], tools=tools, tokenize=False))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=4000, special_tokens=SPECIAL_TOKENS,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                        show_progress=False))
+    if template is not None:
+        tok.add_tokens(["<tool_call>", "</tool_call>"])
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                                 pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
-                                                chat_template=CHAT_TEMPLATE)
+                                                chat_template=template or CHAT_TEMPLATE)
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -270,7 +288,7 @@ def substitute(args: list[str], paths: dict[str, str], world) -> list[str]:
         if not absent(value, root):
             continue
         if flag in MODEL_FLAGS:
-            new = str(world["model"])
+            new = str(world["qwen_model" if _flag_value(args, "--config.env.name") else "model"])
         elif flag in CHECKPOINT_FLAGS:
             new = str(world["checkpoint_lora" if "--adapter" in args else "checkpoint"])
         elif flag == "--out":  # a sweep's records (reproduce --report-only)

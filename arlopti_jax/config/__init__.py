@@ -195,6 +195,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.env.turn_tokens = 256  # the policy's tokens per turn
     c.env.observation_tokens = 128  # tokens per observation (longer ones are cut, with a marker)
     c.env.observation_format = ""  # "" = the chat template's tool message; or text around {observation}
+    c.env.template_tools = True  # prompts with the chat template's own tools section, where it has one
     c.env.step_timeout_s = 60.0  # the environments' resets or steps of one turn's episodes, at most
     c.env.workers = 32  # threads that run the environments' steps
 

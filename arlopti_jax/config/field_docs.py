@@ -278,6 +278,12 @@ FIELD_DOCS = {
                               "around the tool's output that the warm start teaches, with `{observation}` where it "
                               "goes, e.g. `\\n<output>{observation}</output>\\n`; an empty one with such a "
                               "template stops at start-up",
+    "env.template_tools": "True: where the chat template supports tools (Qwen2.5's, Qwen3's), the prompts are "
+                          "rendered with its own tools section from the environment's JSON schemas, as "
+                          "`apply_chat_template(tools=...)` does (the prompts must then be chat messages, and the "
+                          "template must teach the environment's call format: its stop string in that section, "
+                          "else start-up stops); False, or a template without tools (SmolLM2's): the prompts as "
+                          "the data gives them, whose messages must say how to call the tools",
     "env.step_timeout_s": "seconds the environments' steps (or resets) of one turn's waiting episodes may take in "
                           "all; an episode still running then ends with reward 0 (`episode/env_errors`)",
     "env.workers": "threads that run the environments' resets and steps at once (the tools are subprocesses or "

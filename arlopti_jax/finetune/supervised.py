@@ -1,7 +1,9 @@
 """Supervised fine-tuning on (prompt, response) pairs: the library behind ``arlopti_jax.sft``
 and the embedded default's warm start (``start_point``).
 
-Rows hold ``prompt`` (a string or chat messages, rendered as the RL loader does) and
+Rows hold ``prompt`` (a string or chat messages, rendered as the RL loader does; with a ``tools``
+column, TRL's, the JSON schemas its chat template writes a tools section from, as a tool episode's
+prompts get theirs) and
 ``response``: the target text, or a list of segments ``{"text": ..., "train": bool}`` laid out
 in order, each tokenized on its own, of which the loss reads the ``train`` ones (a tool trace: the
 assistant's turns trained, the tool's observations between them not; ``tool_traces.py``); the
@@ -47,7 +49,8 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_length: int) -> dict[str, np
     for i, row in enumerate(rows):
         if "prompt" not in row or "response" not in row:
             raise ValueError(f"SFT row {i} needs 'prompt' and 'response' columns, has {sorted(row)}")
-        prompt = tokenizer(render_prompt(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
+        text = render_prompt(row["prompt"], tokenizer, tools=row.get("tools") or None)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         seq, mask = list(prompt), [0] * len(prompt)
         for text, trained in response_segments(row["response"], i):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -67,7 +70,8 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_length: int) -> dict[str, np
 
 
 def read_pairs(paths) -> list[dict]:
-    """Rows with ``prompt`` and ``response`` from parquet/jsonl files or folders."""
+    """Rows with ``prompt`` and ``response`` (and ``tools`` where a row has them) from parquet/jsonl
+    files or folders."""
     import datasets
 
     from arlopti_jax.tasks.data import DATA_SUFFIXES, resolve_data_files
@@ -79,7 +83,8 @@ def read_pairs(paths) -> list[dict]:
             for col in ("prompt", "response"):
                 if row.get(col) is None:
                     raise ValueError(f"{path}: row {i}: missing column {col!r}")
-            rows.append({"prompt": row["prompt"], "response": row["response"]})
+            rows.append({"prompt": row["prompt"], "response": row["response"],
+                         **({"tools": row["tools"]} if row.get("tools") else {})})
     return rows
 
 

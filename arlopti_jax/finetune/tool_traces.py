@@ -17,7 +17,11 @@ not trained; and ``The answer is \\boxed{VALUE}.`` and the EOS. Without the tool
 warm start) it is the last segment alone. Both arms' prompts are a system message and the question,
 no worked example: the tool arm's system message is the environment's ``instructions`` (how to
 call the tool, and the answer's form), the baseline's says the answer's form alone
-(``NO_TOOL``), so the two differ by the tool and nothing else. The first ``--sft-rows`` training
+(``NO_TOOL``), so the two differ by the tool and nothing else. With a chat template whose tools
+section teaches the environment's call format (Qwen2.5's, Qwen3's with the default JSON calls) the
+tool arm's prompts are rendered as the RL run renders them (``env.template_tools``): the answer's
+form in the system message, the template's tools section from the environment's schemas (the
+traces' ``tools`` column; ``rl/episode_host.prompt_tools`` adds it to the RL prompts). The first ``--sft-rows`` training
 problems (after a seeded shuffle) are the traces' and are left out of ``train.parquet``, so RL
 never trains on a problem whose answer the warm start showed.
 """
@@ -67,10 +71,22 @@ def trace(row: dict, factory, observations, tool: bool) -> list[dict]:
     return [{"text": call, "train": True}, {"text": observations.text(step.observation), "train": False}, answer]
 
 
+def template_tools(tokenizer, factory) -> list[dict] | None:
+    """The environment's schemas where the chat template writes a tools section that teaches its
+    call format (as the RL run's prompts get it), else None: the system message must say it."""
+    from arlopti_jax.rollout.observations import template_supports_tools, tools_section_problem
+
+    if not (factory.tools and factory.stop_strings and template_supports_tools(tokenizer)):
+        return None
+    return factory.tools if tools_section_problem(tokenizer, factory.tools, factory.stop_strings[0]) is None else None
+
+
 def write_start_point_data(folder: Path, train: list[dict], test: list[dict], system: str, sft_rows: int,
-                           seed: int, factory, observations, tool: bool) -> tuple[Path, Path]:
+                           seed: int, factory, observations, tool: bool,
+                           tools: list[dict] | None = None) -> tuple[Path, Path]:
     """OUT/data: train.parquet and test_calc.parquet (the prompts, ``system`` first), sft.jsonl (the
-    first ``sft_rows`` shuffled training problems' traces). Returns (sft.jsonl, train.parquet)."""
+    first ``sft_rows`` shuffled training problems' traces, with ``tools`` where given). Returns
+    (sft.jsonl, train.parquet)."""
     from arlopti_jax.tasks import calc
 
     def with_prompt(row):
@@ -84,8 +100,8 @@ def write_start_point_data(folder: Path, train: list[dict], test: list[dict], sy
     data = folder / "data"
     calc.write_parquet([with_prompt(train[i]) for i in sorted(order[sft_rows:])], data / "train.parquet")
     calc.write_parquet([with_prompt(r) for r in test], data / "test_calc.parquet")
-    lines = [json.dumps({"prompt": row["prompt"], "response": trace(row, factory, observations, tool)})
-             for row in sft]
+    lines = [json.dumps({"prompt": row["prompt"], "response": trace(row, factory, observations, tool),
+                         **({"tools": tools} if tools else {})}) for row in sft]
     (data / "sft.jsonl").write_text("\n".join(lines) + "\n")
     return data / "sft.jsonl", data / "train.parquet"
 
@@ -109,9 +125,13 @@ def build(out: Path, model: Path, *, tool: bool, env: str = "calc", env_params: 
     factory = load_environment(env, env_params or {}, field="--env")
     observations = ObservationFormat(tokenizer, observation_format, observation_tokens,
                                      where="--observation-format") if tool else None
+    tools = template_tools(tokenizer, factory) if tool else None
+    if tool:
+        print("tool traces: " + ("the chat template's tools section, the answer's form in the system message" if tools
+                                 else "the environment's instructions in the system message"), file=sys.stderr)
     train, test = calc.generate(train_count, test_count, seed=seed)
-    sft_file, _ = write_start_point_data(out, train, test, factory.instructions if tool else NO_TOOL, sft_rows, seed,
-                                         factory, observations, tool)
+    system = factory.instructions if tool and not tools else NO_TOOL
+    sft_file, _ = write_start_point_data(out, train, test, system, sft_rows, seed, factory, observations, tool, tools)
     mesh = shd.make_mesh({"fsdp": -1}, devices=jax.devices()[:1])
     cfg, params = load_pretrained(model, mesh=mesh, dtype="float32", param_dtype="float32", remat=False)
     params, losses = run_sft(cfg, params, tokenizer, read_pairs([str(sft_file)]), steps=steps, batch=batch, lr=lr,

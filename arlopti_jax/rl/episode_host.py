@@ -17,6 +17,15 @@ last turn, or no room left ends the episode. An environment that raises or overr
 episode with reward 0 (the runner logs one line naming it, the problem and the turn, and counts
 ``env_errors``); the run goes on.
 
+The prompts tell the policy about the tools: with ``env.template_tools`` and a chat template that
+supports tools (Qwen2.5's, Qwen3's) they are rendered with the template's own tools section from
+the environment's JSON schemas (``prompt_tools``: ``apply_chat_template(tools=...)``, as a Hub
+model was tuned to read them); with a template without (SmolLM2's) the data's own messages say it
+(the warm start's system message holds the environment's ``instructions``). ``check_episodes``
+runs at start-up, before anything is written: an observation format the template cannot give
+(``env.observation_format`` empty with a template without tools) or a tools section that does
+not teach the environment's call format stops the command in one line.
+
 The episode's reward is the sum of its Steps' reward parts (``reward_info/<part>`` logs each
 part's mean). It counts as correct when its ``answer`` part is at least 1 (the built-ins' graded
 answer), else by ``evaluation.is_correct`` on its total.
@@ -26,16 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 
 import numpy as np
 
 from arlopti_jax.rollout.episodes import EpisodeSampler, EpisodeSpec, TurnEnd, episode_sampler
 from arlopti_jax.rollout.markers import marker_table, token_texts
-from arlopti_jax.rollout.observations import ObservationFormat
+from arlopti_jax.rollout.observations import ObservationFormat, template_supports_tools, tools_section_problem
 from arlopti_jax.runtime import faults
 from arlopti_jax.tasks import Reward
 from arlopti_jax.tasks.envs import INFO_COUNTS, EnvironmentFactory, StepPool, load_environment
+
+log = logging.getLogger(__name__)
 
 
 def env_params(config) -> dict:
@@ -70,6 +82,50 @@ def episode_spec(config, factory: EnvironmentFactory | None = None) -> EpisodeSp
                        marker_length=len(stop_marker(factory)))
 
 
+def observation_format(config, tokenizer) -> ObservationFormat:
+    """The run's observations as ids (``env.observation_format``, or the chat template's tool message);
+    ValueError, naming the field, where the template cannot give one and the field is empty."""
+    return ObservationFormat(tokenizer, config.env.observation_format, config.env.observation_tokens,
+                             where="config.env.observation_format")
+
+
+def prompt_tools(config, tokenizer, factory: EnvironmentFactory | None = None) -> list[dict] | None:
+    """The JSON schemas the run's prompts are rendered with (``tasks.data.render_prompt``'s ``tools``):
+    the environment's, with ``env.name`` and ``env.template_tools`` set and a chat template that
+    supports tools (``template_supports_tools``); else None. ValueError, naming the field, where
+    such a template cannot write them: it raises on them, writes nothing for them, or teaches
+    another call format than the environment's (its stop string, a call's close, is not in what the
+    template writes: Qwen's ``</tool_call>`` against an environment's ``</calc>``)."""
+    if not (config.env.name and config.env.template_tools and template_supports_tools(tokenizer)):
+        return None
+    factory = env_factory(config) if factory is None else factory
+    if not factory.tools:
+        return None
+    problem = tools_section_problem(tokenizer, factory.tools, stop_marker(factory))
+    if problem is not None:
+        raise ValueError(f"config.env.template_tools=True (config.env.name={config.env.name!r}): {problem}; use the "
+                         "template's call format in config.env.params (the built-ins' default: JSON in "
+                         "<tool_call>...</tool_call>), or set config.env.template_tools=False and let the prompts' "
+                         "messages say how to call the tools")
+    return factory.tools
+
+
+def check_episodes(config, tokenizer) -> None:
+    """What a run's episodes need from the tokenizer, checked at start-up (module docstring): the
+    observation format, and the prompts' tools section where the template writes one."""
+    observation_format(config, tokenizer)
+    factory = env_factory(config)
+    tools = prompt_tools(config, tokenizer, factory)
+    if tools:
+        names = ", ".join(str((t.get("function") or t).get("name", "?")) for t in tools)
+        log.info("tool episodes: the prompts are rendered with the chat template's tools section (%s)", names)
+        return
+    why = ("env.template_tools=False" if not config.env.template_tools else "the environment gives no tool schemas"
+           if not factory.tools else "the chat template has no tool support")
+    log.info("tool episodes: the prompts are rendered without a tools section (%s): their messages must say how to "
+             "call the tools", why)
+
+
 @dataclasses.dataclass
 class EpisodeSetup:
     """What every batch of a run's episodes shares (module docstring)."""
@@ -87,7 +143,7 @@ class EpisodeSetup:
     def from_config(cls, config, tokenizer, vocab_size: int) -> "EpisodeSetup":
         factory = env_factory(config)
         spec = episode_spec(config, factory)
-        fmt = ObservationFormat(tokenizer, config.env.observation_format, config.env.observation_tokens)
+        fmt = observation_format(config, tokenizer)
         table = marker_table(token_texts(tokenizer), stop_marker(factory), vocab_size)
         return cls(config.env.name, factory, spec, fmt, table, config.env.max_turns, config.env.step_timeout_s,
                    config.env.workers)

@@ -29,7 +29,7 @@ from arlopti_jax.runtime.startup import ConfigError
 from arlopti_jax.models import ModelConfig, abstract_params, hub, load_params, lora, param_shardings
 from arlopti_jax.models.hf import check_weights
 from arlopti_jax.models.tokenizer import load_tokenizer  # TokenizerError: none there, unreadable, or too large
-from arlopti_jax.rl import hosts
+from arlopti_jax.rl import episode_host, hosts
 from arlopti_jax.rl.resume import check_base, check_checkpoint, check_resume, model_settings, saved_state
 from arlopti_jax.store import trackers
 from arlopti_jax.rollout import Sampler, SamplingConfig
@@ -243,9 +243,12 @@ def eval_set_name(path: DataFile) -> str:
 
 
 def prompt_dataset(config, files, tokenizer) -> PromptDataset:
+    """The prompts of ``files``; a tool episode's with the chat template's tools section where it has one
+    (``episode_host.prompt_tools``)."""
     d = config.data
     return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, prompt_style=d.prompt_style,
-                         prompt_key=d.prompt_key, answer_key=d.answer_key, data_source=d.data_source)
+                         prompt_key=d.prompt_key, answer_key=d.answer_key, data_source=d.data_source,
+                         tools=episode_host.prompt_tools(config, tokenizer))
 
 
 def train_iterator(config, dataset) -> BatchIterator:
@@ -283,9 +286,11 @@ def prepare_inputs(config, layout: Layout | None = None) -> Inputs:
     ``load_tokenizer``), a missing path, a bad resume setting, a data file that cannot be read, a
     training set that cannot fill one batch of ``train.batch_prompts`` prompts, a data source the
     built-in reward does not know, a tracker of ``train.loggers`` that cannot start (process 0's,
-    which alone logs) or a checkpoint to resume from that this config cannot continue
-    (``check_checkpoint``) stops it in one line (FileNotFoundError or ValueError naming the field),
-    before the weights are loaded. ``layout``: the run's meshes, when the command has made them."""
+    which alone logs), tool episodes the chat template cannot serve (``episode_host.check_episodes``:
+    an empty ``env.observation_format`` with a template without tools) or a checkpoint to resume from
+    that this config cannot continue (``check_checkpoint``) stops it in one line (FileNotFoundError or
+    ValueError naming the field), before the weights are loaded. ``layout``: the run's meshes, when the
+    command has made them."""
     layout = make_layout(config) if layout is None else layout
     paths.check_writable(config.run_dir, "config.run_dir")  # before any process writes there
     dist.check_shared_folder(paths.path(config.run_dir, "config.run_dir"), "config.run_dir")  # one for all hosts
@@ -295,6 +300,8 @@ def prepare_inputs(config, layout: Layout | None = None) -> Inputs:
         trackers.check(config.train.loggers)
     digest = check_base(config, model_path) if config.model.lora_rank else ""
     tokenizer = load_tokenizer(model_path)
+    if config.env.name:  # an observation format or a tools section the chat template cannot give stops here
+        episode_host.check_episodes(config, tokenizer)
 
     def dataset(field, files):
         try:

@@ -14,6 +14,8 @@ again (``episodes.py``). The ids are those of ``head + observation + tail``:
   contents. For Qwen2.5 that is ``<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n`` and
   ``\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n``: the turn's end, which the policy did
   not draw (its turn stopped at ``</tool_call>``), is part of the observation.
+- ``tools_section_problem`` checks the other half of a template with tools: that the prompts' tools
+  section it writes from the environment's schemas teaches the environment's call format.
 - With a template without tool support (SmolLM2's), ``text_format`` (``env.observation_format``)
   says it, the observation standing for ``{observation}``: plain text between markers that the
   warm start teaches (``finetune/tool_traces.py``). Without one that is an error: nothing is guessed.
@@ -37,6 +39,26 @@ def template_supports_tools(tokenizer) -> bool:
     if isinstance(template, dict):  # named templates
         template = " ".join(str(t) for t in template.values())
     return "tools" in template
+
+
+def tools_section_problem(tokenizer, tools: list[dict], stop: str) -> str | None:
+    """Why the chat template cannot write a prompt's tools section for ``tools`` (JSON schemas, as
+    ``apply_chat_template(tools=...)`` takes them) whose calls end at ``stop``: it raises on them,
+    writes nothing for them, or teaches another call format (``stop`` is not in what it adds); None
+    when it can."""
+    probe = [{"role": "user", "content": "PROBE_QUESTION"}]
+    try:
+        plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template raised on the schemas
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"the chat template cannot write the environment's tools ({type(err).__name__}: {reason})"
+    if rendered == plain:
+        return "the chat template mentions tools but writes nothing for the environment's"
+    if rendered.count(stop) <= plain.count(stop):
+        return (f"the chat template's tools section teaches another call format than the environment's (its stop "
+                f"string {stop!r} is not in it)")
+    return None
 
 
 def tool_message(tokenizer) -> tuple[str, str]:

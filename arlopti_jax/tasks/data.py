@@ -32,6 +32,9 @@ Prompt styles (per row with prompt_style='auto'):
             files: that text is tokenized as-is.
   messages  a list of chat messages (a string: the user's one message): the tokenizer's
             chat template is applied with add_generation_prompt=True.
+With ``tools`` (JSON schemas, a tool episode's: ``rl/episode_host.prompt_tools``) the template is
+applied with ``tools=`` as well, so it writes its own tools section (Qwen2.5's and Qwen3's system
+message); a prompt that is text already (template style) cannot get one, which is a ValueError.
 Token ids come from `tokenizer(text, add_special_tokens=False)`: the text already
 holds every special token it needs.
 
@@ -169,13 +172,18 @@ def load_rows(
     return rows
 
 
-def render_prompt(prompt: Any, tokenizer: Any, prompt_style: str = "auto") -> str:
+def render_prompt(prompt: Any, tokenizer: Any, prompt_style: str = "auto", tools: list[dict] | None = None) -> str:
     """The prompt text to tokenize (see 'Prompt styles' in the module docstring)."""
     if prompt_style not in PROMPT_STYLES:
         raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
+    text_already = ("the prompt is text with the chat template already applied, so the template's tools section "
+                    "cannot be added: give it as chat messages (data.prompt_style=messages), or set "
+                    "env.template_tools=False")
     if isinstance(prompt, str):
         if prompt_style == "messages":
-            return render_prompt([{"role": "user", "content": prompt}], tokenizer, "messages")
+            return render_prompt([{"role": "user", "content": prompt}], tokenizer, "messages", tools)
+        if tools:
+            raise ValueError(text_already)
         return prompt
     messages = [dict(m) for m in prompt]
     if not messages or any("content" not in m or "role" not in m for m in messages):
@@ -184,8 +192,10 @@ def render_prompt(prompt: Any, tokenizer: Any, prompt_style: str = "auto") -> st
     if prompt_style == "template" or (prompt_style == "auto" and embedded):
         if len(messages) != 1:
             raise ValueError(f"a template-style prompt is one message, got {len(messages)}")
+        if tools:
+            raise ValueError(text_already)
         return messages[0]["content"]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
 
 
 class PromptDataset:
@@ -202,13 +212,14 @@ class PromptDataset:
         answer_key: str = DEFAULT_ANSWER_KEY,
         data_source: str = "",
         default_split: str = "train",
+        tools: list[dict] | None = None,
     ):
         rows = load_rows(paths, prompt_key=prompt_key, answer_key=answer_key, data_source=data_source,
                          cache_dir=cache_dir, default_split=default_split)
         texts = []
         for r in rows:
             try:
-                texts.append(render_prompt(r["prompt"], tokenizer, prompt_style))
+                texts.append(render_prompt(r["prompt"], tokenizer, prompt_style, tools))
             except Exception as e:
                 raise ValueError(f"{r['source']}: row {r['row']}: cannot render prompt: {e}") from e
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
