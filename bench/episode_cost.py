@@ -2,6 +2,7 @@
 responses of the same total tokens, SmolLM2-135M-Instruct.
 
     python bench/episode_cost.py [--model models/smollm2-135m --turns 3 --turn-tokens 32 --observation-tokens 16]
+                                 [--rounds 3] [--micro-batch 4]
 
 Both arms sample ``--prompts`` x ``--n`` rows from the same calc prompts with the run's own sampler
 (configs/smollm2.py's settings; ``--config`` another file) and update on them (GRPO, random rewards):
@@ -65,6 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--turn-tokens", type=int, default=32)
     p.add_argument("--observation-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=4,
+                   help="the update's micro-batch rows (default 4, about 6.5 GB; at the config's 16 the "
+                        "update's first step passed 12 GB at these lengths, at 32 the kernel's 24 GB; 2026-12-07)")
     args = p.parse_args(argv)
     path, _, arg = args.config.partition(":")
     config = load_config_file(CONFIGS_DIR / path, arg)
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
     config.model.path, config.rollout.max_response_length = args.model, total
     config.rollout.n, config.train.batch_prompts = args.n, args.prompts
     rows = args.prompts * args.n
-    config.train.mini_batch = config.train.micro_batch = rows
+    config.train.micro_batch = args.micro_batch
     tokenizer = load_tokenizer(Path(args.model))
     model_cfg = run_setup.model_config(config, Path(args.model))
     mesh = run_setup.make_mesh(config)
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
         batch = rollout.train_batch()
         passes = algos.prepare_updates(run.adv_cfg, run.weight_cfg, run.lopti_cfg, rng.normal(size=rows),
                                        rollout.group_ids, batch["response_mask"], batch["old_logprobs"])
-        params, opt_state, _ = algos.update_on_batch(run.train_step, params, opt_state, batch, passes, rows)
+        params, opt_state, _ = algos.update_on_batch(run.train_step, params, opt_state, batch, passes,
+                                                      config.train.mini_batch)
         done = time.perf_counter()
         assert int(rollout.lengths.min()) == int(rollout.lengths.max()) == total, rollout.lengths
         return {"rollout": sampled - began, "update": done - sampled, "step": done - began,
