@@ -85,3 +85,15 @@ compile kk3b_hosts_8+8_k1 v5p-32 "--config=configs/layouts/v5p8.py:3b,grpo_ar_lo
   --config.rollout.hosts=2 --config.mesh.fsdp=8 --config.train.micro_batch=8
 compile kk3b_hosts_4+4_k1 v5p-16 "--config=configs/layouts/v5p8.py:3b,grpo_ar_lopti" --config.rollout.max_staleness=1 \
   --config.rollout.hosts=1 --config.mesh.fsdp=4 --config.train.micro_batch=4
+# tool episodes (issue 80): the 3B layouts of a v5p-8 and 8 H100s on calc with the calculator, Qwen2.5's
+# <tool_call> format, episodes of up to 4 turns of 1,024 tokens with observations of up to 256, in the layouts'
+# 4,096-token budget; the episodes' programs (rollout/episodes.py), colocated at max_staleness 0 and 1
+CALC=(--config.env.name=calc --config.env.max_turns=4 --config.env.turn_tokens=1024
+  --config.env.observation_tokens=256 --config.data.train_files=data/calc/train.parquet
+  --config.data.test_files=data/calc/test.parquet)
+for k in 0 1; do
+  compile "calc3b_colocated_k$k" v5p-8 "--config=configs/layouts/v5p8.py:3b,grpo_ar_lopti" "${CALC[@]}" \
+    --config.rollout.max_staleness=$k
+  compile "calc3b_colocated_k$k" h100x8 "--config=configs/layouts/gpu8x80.py:3b,grpo_ar_lopti" "${CALC[@]}" \
+    --config.rollout.max_staleness=$k
+done
