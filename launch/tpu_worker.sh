@@ -164,11 +164,14 @@ _run() {
   while true; do
     code_=0
     wait "$pid" || code_=$?
-    if [[ $code_ -eq 127 ]]; then  # collected by the previous wait (the trainer died of a signal)
+    if [[ $code_ -eq 127 ]]; then  # collected by the previous wait
       break
     fi
     status=$code_
-    if [[ $code_ -le 128 ]]; then  # > 128: a signal killed the trainer or cut the wait short
+    # > 128: a signal killed the trainer, or a trapped signal cut the wait short. Whether the trainer is
+    # still there decides: bash answers a second wait for a dead job with its saved status, not 127,
+    # so a trainer killed by SIGKILL (137) kept this loop spinning and `stop` waiting for it forever.
+    if [[ $code_ -le 128 ]] || ! kill -0 "$pid" 2> /dev/null; then
       break
     fi
   done

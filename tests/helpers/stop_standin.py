@@ -5,7 +5,9 @@ without JAX: ``python -m stop_standin --config.run_dir=DIR --config.train.max_st
 to DIR/steps_<p>.jsonl; SIGTERM or SIGINT makes it record the last finished step in
 DIR/checkpoint_<p> and exit 75 ("stopped, resume me"); a start resumes after that step; after
 the last step it exits 0. ``--config.standin.fail_at=S`` exits 1 at step S instead (a failure,
-which a launcher must not requeue). p is SLURM_PROCID (0 outside SLURM)."""
+which a launcher must not requeue); ``--config.standin.ignore_stop=1`` records nothing and keeps
+stepping on SIGTERM (a trainer stuck in a collective), so only SIGKILL ends it. p is SLURM_PROCID (0
+outside SLURM)."""
 
 import json
 import os
@@ -24,6 +26,7 @@ def main(argv: list[str]) -> int:
     step_s = float(flags.get("standin.step_s", 0.5))
     fail_at = int(flags.get("standin.fail_at", -1))
     linger_s = float(flags.get("standin.linger_s", 0))
+    ignore_stop = flags.get("standin.ignore_stop", "0") == "1"
     process = int(os.environ.get("SLURM_PROCID", "0"))
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = run_dir / f"checkpoint_{process}"
@@ -35,7 +38,7 @@ def main(argv: list[str]) -> int:
           f"SLURM_CPUS_PER_TASK={os.environ.get('SLURM_CPUS_PER_TASK')}", flush=True)
     with open(run_dir / f"steps_{process}.jsonl", "a") as records:
         while step < max_steps:
-            if stop:
+            if stop and not ignore_stop:
                 checkpoint.write_text(str(step))
                 print(f"stop_standin: process {process} stopped after step {step}", flush=True)
                 if process > 0:

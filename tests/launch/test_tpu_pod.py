@@ -120,8 +120,8 @@ def home(tmp_path):
     return home
 
 
-def worker(home: Path, *args: str) -> str:
-    env = {"HOME": str(home), "PATH": os.environ["PATH"], "ARLOPTI_STOP_WAIT": "20"}
+def worker(home: Path, *args: str, stop_wait: int = 20) -> str:
+    env = {"HOME": str(home), "PATH": os.environ["PATH"], "ARLOPTI_STOP_WAIT": str(stop_wait)}
     proc = subprocess.run(["bash", str(WORKER), *args], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -175,3 +175,18 @@ def test_worker_starts_detached_relaunches_over_a_run_and_stops_it(home, tmp_pat
     worker(home, "start", "r1", *args[:1], "--config.train.max_steps=3")  # already past step 3: finishes
     wait_for(lambda: (logs / f"worker_{me}.exit").exists(), "the exit status")
     assert "run r1 finished" in worker(home, "status")
+
+
+def test_a_trainer_that_ignores_sigterm_is_killed_and_the_stop_returns(home, tmp_path):
+    """SIGKILL after ARLOPTI_STOP_WAIT s: the detached waiter records 137 and leaves (bash answers a second
+    ``wait`` for a killed job with its saved status, which once kept the waiter spinning and ``stop`` waiting
+    for it until the test's 120 s ran out)."""
+    run_dir = tmp_path / "run"
+    worker(home, "start", "r2", f"--config.run_dir={run_dir}", "--config.train.max_steps=100000",
+           "--config.standin.step_s=0.05", "--config.standin.ignore_stop=1")
+    wait_for(lambda: len(steps(run_dir)) >= 3, "3 steps")
+    began = time.time()
+    out = worker(home, "stop", stop_wait=2)
+    assert "stopping 1 arlopti_jax process" in out and time.time() - began < 30
+    assert "run r2 failed with status 137" in worker(home, "status")
+    assert not (run_dir / "checkpoint_0").exists()
