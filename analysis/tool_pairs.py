@@ -2,13 +2,14 @@
 without it, from the two arms' step-matched sweeps (``reproduce --matched --scale smollm2-calc-tool``
 and ``--scale smollm2-calc-notool``).
 
-    python analysis/tool_pairs.py OUT_TOOL/results.json OUT_NOTOOL/results.json
+    python analysis/tool_pairs.py OUT_TOOL/results.json [OUT_NOTOOL/results.json]
 
 For each arm and method (``grpo``, ``grpo_ar_lopti``): greedy and sampled accuracy before (the
 warm start, step 0) and after (the last evaluation), mean and standard deviation over the seeds.
 Then, seed by seed (the same seed: the same problems in the same order): the tool arm minus the
 baseline for each method, and AR + Lopti minus GRPO in each arm, as the mean, the standard error of
-that mean, and each seed's difference. Only finished runs count.
+that mean, and each seed's difference. Only finished runs count. Without the baseline's file, the
+tool arm alone (no tool - baseline difference).
 """
 
 import json
@@ -36,8 +37,8 @@ def line(label: str, values: list[float]) -> str:
             + " ".join(f"{x:+.3f}" for x in values))
 
 
-def main(tool_path: str, notool_path: str) -> int:
-    arms = {"tool": load(tool_path), "no tool": load(notool_path)}
+def main(tool_path: str, notool_path: str | None = None) -> int:
+    arms = {"tool": load(tool_path), "no tool": load(notool_path) if notool_path else {}}
     seeds = sorted({run["seed"] for runs in arms.values() for run in runs.values()})
     for key in KEYS:
         print(key)
@@ -64,7 +65,7 @@ def main(tool_path: str, notool_path: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(*sys.argv[1:]))
