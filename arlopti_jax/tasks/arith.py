@@ -39,7 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from arlopti_jax.tasks import generated
 
 DATA_SOURCE = "arith"
 OPS = ("add", "sub")
@@ -202,39 +203,26 @@ def generate(train_count: int, test_count: int, *, ops: Sequence[str] = ("add",)
 
 
 def write_parquet(rows: Sequence[dict], out: str | Path) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(list(rows), schema=SCHEMA), out)
-    return out
+    return generated.write_parquet(rows, out, SCHEMA)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m arlopti_jax.tasks.arith", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
-    parser.add_argument("--train-count", type=int, default=2000)
-    parser.add_argument("--test-count", type=int, default=128)
+    generated.add_split_arguments(parser, "operand pairs")
     parser.add_argument("--ops", default="add", help="comma-separated: add, sub")
     parser.add_argument("--min-operand", type=int, default=2)
     parser.add_argument("--max-operand", type=int, default=9)
-    parser.add_argument("--test-share", type=float, default=0.25, help="share of operand pairs held out for test")
     parser.add_argument("--steps", type=int, default=1, help="operations per question: 1 (a + b) or 2 (a + b - c)")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.train_count < 1 or args.test_count < 1:
-        parser.error("--train-count and --test-count must be positive")
-    if not 0 < args.test_share < 1:
-        parser.error("--test-share must be in (0, 1)")
+    generated.check_split_arguments(parser, args)
     try:
         train, test = generate(args.train_count, args.test_count, ops=args.ops.split(","),
                                min_operand=args.min_operand, max_operand=args.max_operand,
                                test_share=args.test_share, seed=args.seed, steps=args.steps)
     except ValueError as err:
         parser.error(str(err))
-    out = Path(args.out)
-    write_parquet(train, out / "train.parquet")
-    write_parquet(test, out / "test.parquet")
-    print(f"wrote {len(train)} training and {len(test)} test problems to {out}/", file=sys.stderr)
+    generated.write_splits(train, test, args.out, SCHEMA)
     return 0
 
 

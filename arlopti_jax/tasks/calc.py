@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from arlopti_jax.tasks import generated
 
 DATA_SOURCE = "calc"
 KINDS = ("mul", "sum", "mixed")
@@ -120,29 +121,19 @@ def generate(train_count: int, test_count: int, *, kinds: Sequence[str] = KINDS,
 
 
 def write_parquet(rows: Sequence[dict], out: str | Path) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(list(rows), schema=SCHEMA), out)
-    return out
+    return generated.write_parquet(rows, out, SCHEMA)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m arlopti_jax.tasks.calc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
-    parser.add_argument("--train-count", type=int, default=2000)
-    parser.add_argument("--test-count", type=int, default=128)
+    generated.add_split_arguments(parser, "operand sets")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: mul, sum, mixed")
     parser.add_argument("--min-digits", type=int, default=4)
     parser.add_argument("--max-digits", type=int, default=6)
     parser.add_argument("--terms", type=int, default=3, help="operands of a sum")
-    parser.add_argument("--test-share", type=float, default=0.25, help="share of operand sets held out for test")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.train_count < 1 or args.test_count < 1:
-        parser.error("--train-count and --test-count must be positive")
-    if not 0 < args.test_share < 1:
-        parser.error("--test-share must be in (0, 1)")
+    generated.check_split_arguments(parser, args)
     try:
         train, test = generate(args.train_count, args.test_count, kinds=args.kinds.split(","),
                                min_digits=args.min_digits, max_digits=args.max_digits, terms=args.terms,
@@ -151,10 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     if len(train) < args.train_count or len(test) < args.test_count:
         parser.error(f"only {len(train)} training and {len(test)} test problems exist with these settings")
-    out = Path(args.out)
-    write_parquet(train, out / "train.parquet")
-    write_parquet(test, out / "test.parquet")
-    print(f"wrote {len(train)} training and {len(test)} test problems to {out}/", file=sys.stderr)
+    generated.write_splits(train, test, args.out, SCHEMA)
     return 0
 
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from arlopti_jax.tasks import generated
 from arlopti_jax.tasks.kk_puzzles import (
     COT_FOOT,
     COT_HEAD,
@@ -151,10 +151,7 @@ def generate_rows(
 
 
 def write_parquet(rows: Sequence[dict], out: str | Path) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(list(rows), schema=KK_SCHEMA), out)
-    return out
+    return generated.write_parquet(rows, out, KK_SCHEMA)
 
 
 def sft_examples(
