@@ -4,12 +4,13 @@ and ``--scale smollm2-calc-notool``).
 
     python analysis/tool_pairs.py OUT_TOOL/results.json [OUT_NOTOOL/results.json]
 
-For each arm and method (``grpo``, ``grpo_ar_lopti``): greedy and sampled accuracy before (the
-warm start, step 0) and after (the last evaluation), mean and standard deviation over the seeds.
-Then, seed by seed (the same seed: the same problems in the same order): the tool arm minus the
-baseline for each method, and AR + Lopti minus GRPO in each arm, as the mean, the standard error of
-that mean, and each seed's difference. Only finished runs count. Without the baseline's file, the
-tool arm alone (no tool - baseline difference).
+For each arm: greedy and sampled accuracy on the test problems before RL (the warm start's, evaluated
+once per sweep: ``start_eval``) and, per method (``grpo``, ``grpo_ar_lopti``), after it (the last
+evaluation), mean and standard deviation over the seeds; and the training reward averaged over the RL
+steps (how fast a run gets there, which still tells runs apart when both end at the ceiling). Then,
+seed by seed (the same seed: the same problems in the same order): the tool arm minus the baseline for
+each method, and AR + Lopti minus GRPO in each arm, as the mean, the standard error of that mean, and
+each seed's difference. Only finished runs count. Without the baseline's file, the tool arm alone.
 """
 
 import json
@@ -18,17 +19,23 @@ import sys
 
 import numpy as np
 
-KEYS = ("eval/avg/greedy_acc", "eval/avg/sampled_acc")
+KEYS = ("eval/avg/greedy_acc", "eval/avg/sampled_acc", "train reward, mean over steps")
 METHODS = ("grpo", "grpo_ar_lopti")
 
 
-def load(path: str) -> dict:
-    return {name: run for name, run in json.load(open(path))["runs"].items() if run.get("finished")}
+def load(path: str) -> tuple[dict, dict]:
+    results = json.load(open(path))
+    return ({name: run for name, run in results["runs"].items() if run.get("finished")},
+            results.get("start_eval") or {})
 
 
-def figure(runs: dict, method: str, seed: int, key: str, which: int):
+def figure(runs: dict, method: str, seed: int, key: str):
     run = runs.get(f"{method}/seed{seed}")
-    return None if run is None or not run.get("evals") else run["evals"][which][key]
+    if run is None:
+        return None
+    if key.startswith("train reward"):
+        return float(np.mean(run["rewards"])) if run.get("rewards") else None
+    return run["evals"][-1][key] if run.get("evals") else None
 
 
 def line(label: str, values: list[float]) -> str:
@@ -38,26 +45,30 @@ def line(label: str, values: list[float]) -> str:
 
 
 def main(tool_path: str, notool_path: str | None = None) -> int:
-    arms = {"tool": load(tool_path), "no tool": load(notool_path) if notool_path else {}}
-    seeds = sorted({run["seed"] for runs in arms.values() for run in runs.values()})
+    arms = {"tool": load(tool_path)}
+    if notool_path:
+        arms["no tool"] = load(notool_path)
+    seeds = sorted({run["seed"] for runs, _ in arms.values() for run in runs.values()})
     for key in KEYS:
         print(key)
-        for arm, runs in arms.items():
+        for arm, (runs, start) in arms.items():
+            if key in start:
+                print(f"  {arm:8s} {'warm start':14s} before {start[key]:.3f}")
             for method in METHODS:
-                for which, when in ((0, "before"), (-1, "after")):
-                    values = [v for v in (figure(runs, method, s, key, which) for s in seeds) if v is not None]
-                    if values:
-                        sd = np.std(values, ddof=1) if len(values) > 1 else float("nan")
-                        print(f"  {arm:8s} {method:14s} {when:6s} {np.mean(values):.3f} (sd {sd:.3f}), "
-                              f"n={len(values)}")
-        for method in METHODS:
-            pairs = [(figure(arms["tool"], method, s, key, -1), figure(arms["no tool"], method, s, key, -1))
-                     for s in seeds]
-            d = [a - b for a, b in pairs if a is not None and b is not None]
-            if d:
-                print(line(f"{method}: tool - no tool", d))
-        for arm, runs in arms.items():
-            pairs = [(figure(runs, "grpo_ar_lopti", s, key, -1), figure(runs, "grpo", s, key, -1)) for s in seeds]
+                values = [v for v in (figure(runs, method, s, key) for s in seeds) if v is not None]
+                if values:
+                    sd = np.std(values, ddof=1) if len(values) > 1 else float("nan")
+                    when = "steps" if key.startswith("train") else "after"
+                    print(f"  {arm:8s} {method:14s} {when:6s} {np.mean(values):.3f} (sd {sd:.3f}), n={len(values)}")
+        if "no tool" in arms:
+            for method in METHODS:
+                pairs = [(figure(arms["tool"][0], method, s, key), figure(arms["no tool"][0], method, s, key))
+                         for s in seeds]
+                d = [a - b for a, b in pairs if a is not None and b is not None]
+                if d:
+                    print(line(f"{method}: tool - no tool", d))
+        for arm, (runs, _) in arms.items():
+            pairs = [(figure(runs, "grpo_ar_lopti", s, key), figure(runs, "grpo", s, key)) for s in seeds]
             d = [a - b for a, b in pairs if a is not None and b is not None]
             if d:
                 print(line(f"{arm}: AR + Lopti - GRPO", d))
