@@ -11,11 +11,13 @@ steps (how fast a run gets there, which still tells runs apart when both end at 
 seed by seed (the same seed: the same problems in the same order): the tool arm minus the baseline for
 each method, and AR + Lopti minus GRPO in each arm, as the mean, the standard error of that mean, and
 each seed's difference. Only finished runs count. Without the baseline's file, the tool arm alone.
+First, the tool arm's episodes: tool calls, tool errors and turns per episode at the first and last step.
 """
 
 import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +40,25 @@ def figure(runs: dict, method: str, seed: int, key: str):
     return run["evals"][-1][key] if run.get("evals") else None
 
 
+def episode_lines(path: str, arm: str, runs: dict) -> None:
+    """Per method: tool calls and tool errors per episode and turns per episode at the first and the last
+    RL step (the runs' ``metrics.jsonl``, beside results.json), means over the seeds."""
+    folder = Path(path).parent / "runs"
+    for method in METHODS:
+        first, last = [], []
+        for run in (r for r in runs.values() if r["variant"] == method):
+            rows = [json.loads(x) for x in (folder / method / f"seed{run['seed']}" / "metrics.jsonl").open()]
+            rows = [r for r in rows if "episode/tool_calls" in r]
+            if rows:
+                first.append(rows[0])
+                last.append(rows[-1])
+        if first:
+            cells = [f"{key.split('/')[1]} {np.mean([r[key] for r in first]):.2f} -> "
+                     f"{np.mean([r[key] for r in last]):.2f}"
+                     for key in ("episode/tool_calls", "episode/tool_errors", "episode/turns")]
+            print(f"  {arm:8s} {method:14s} per episode, first -> last step: {', '.join(cells)}, n={len(first)}")
+
+
 def line(label: str, values: list[float]) -> str:
     se = np.std(values, ddof=1) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
     return (f"  {label:34s} {np.mean(values):+.3f} ({se:.3f}), n={len(values)}, by seed "
@@ -49,6 +70,8 @@ def main(tool_path: str, notool_path: str | None = None) -> int:
     if notool_path:
         arms["no tool"] = load(notool_path)
     seeds = sorted({run["seed"] for runs, _ in arms.values() for run in runs.values()})
+    print("episodes")
+    episode_lines(tool_path, "tool", arms["tool"][0])
     for key in KEYS:
         print(key)
         for arm, (runs, start) in arms.items():
