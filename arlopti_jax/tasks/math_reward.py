@@ -24,6 +24,12 @@ runs in a worker process with a hard deadline (`workers.WorkerPool`), killed on 
 and the response then gets the batch scorer's failure score on every path (`GradingStopped`).
 Inside a worker process (batched scoring) it runs in place: that process is already the
 sandbox, and the batch scorer enforces the deadline.
+
+Arithmetic problems (``tasks.arith``, ``tasks.calc``) are graded by ``compute_integer_score``: the
+boxed answer must be an integer written out (``-123``, ``637519680``, or grouped ``637,519,680``)
+equal to the ground truth. math-verify would accept ``\\boxed{79680 * 8001}`` as equal to 637519680,
+an answer that restates the question: on ``calc`` GRPO learned exactly that in 16 steps (seed 1,
+2026-12-07, ``docs/results/tool_calc.md``) and stopped calling the calculator.
 """
 
 from __future__ import annotations
@@ -246,6 +252,32 @@ def math_answer(solution_str: str, ground_truth: Any = None) -> str | None:
     if answer is None or not answer.strip() or not is_safe_answer(answer):
         return None
     return normalize_answer(answer) or None
+
+
+_INTEGER = re.compile(r"-?(?:\d+|\d{1,3}(?:,\d{3})+)")
+
+
+def integer_answer(solution_str: str, ground_truth: Any = None) -> str | None:
+    """The response's last boxed answer as an integer's decimal digits (``-`` for a negative one;
+    spaces and thousands commas dropped), or None when it is no integer written out."""
+    answer = last_boxed(final_response(solution_str))
+    if answer is None or len(answer) > MAX_ANSWER_CHARS:
+        return None
+    answer = answer.replace(" ", "")
+    if not _INTEGER.fullmatch(answer):
+        return None
+    return str(int(answer.replace(",", "")))
+
+
+def compute_integer_score(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """1.0 if the last boxed answer is an integer written out (``integer_answer``) equal to the
+    ground truth (an integer or its digits), else 0.0. An expression is no answer, even one equal
+    to the truth."""
+    answer = integer_answer(solution_str)
+    if answer is None:
+        return 0.0
+    truths = [t.replace(" ", "").replace(",", "") for t in ground_truth_strings(ground_truth)]
+    return 1.0 if any(re.fullmatch(r"-?\d+", t) and int(t) == int(answer) for t in truths) else 0.0
 
 
 def compute_math_score(

@@ -11,8 +11,10 @@ log. `score_rewards` gives each item as a `Reward` (score, acc, info, failed); `
 gives the scores alone. The built-in
 `compute_score` routes on data_source:
 
-    kk_logic*                                            -> kk_reward.compute_kk_score
-    aime_dsr, amc_dsr, math_dsr, deepscaler, arith, calc -> math_reward.compute_math_score
+    kk_logic*                                -> kk_reward.compute_kk_score
+    aime_dsr, amc_dsr, math_dsr, deepscaler  -> math_reward.compute_math_score
+    arith, calc                              -> math_reward.compute_integer_score (an integer
+                                                written out: no expression equal to it)
 
 `load_reward_fn(spec)` returns that router for spec None, or the function named by a
 'package.module:function' import path.
@@ -37,7 +39,7 @@ script then needs the usual `if __name__ == "__main__":` guard; from stdin or a 
 define the function in a module).
 
 `answer_for(data_source)` gives the answer extractor majority voting (maj@k) uses:
-K&K's parsed assignment, math's normalised boxed answer; None for other sources.
+K&K's parsed assignment, math's normalised boxed answer, arithmetic's integer; None for other sources.
 """
 
 from __future__ import annotations
@@ -53,14 +55,15 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from arlopti_jax.tasks.kk_reward import compute_kk_score, kk_answer
-from arlopti_jax.tasks.math_reward import compute_math_score, math_answer
+from arlopti_jax.tasks.math_reward import compute_integer_score, compute_math_score, integer_answer, math_answer
 from arlopti_jax.tasks.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Any]  # -> float, or a dict with 'score' (verl's)
 KK_PREFIX = "kk_logic"
-MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler", "arith", "calc")  # tasks/arith.py, calc.py
+MATH_DATA_SOURCES = ("aime_dsr", "amc_dsr", "math_dsr", "deepscaler")
+INTEGER_DATA_SOURCES = ("arith", "calc")  # tasks/arith.py, calc.py
 DEFAULT_TIMEOUT_S = 10.0
 # The built-in router's workers import math-verify before their first deadline starts.
 _BUILTIN_PRELOAD = ("arlopti_jax.tasks.registry", "arlopti_jax.tasks.math_reward:warm_up")
@@ -72,9 +75,11 @@ def reward_for(data_source: str) -> Callable[[str, Any, Any], float]:
         return compute_kk_score
     if data_source in MATH_DATA_SOURCES:
         return compute_math_score
+    if data_source in INTEGER_DATA_SOURCES:
+        return compute_integer_score
     raise ValueError(
         f"no reward function for data_source {data_source!r}: built-in sources are "
-        f"'{KK_PREFIX}*' and {', '.join(MATH_DATA_SOURCES)}; pass a custom reward "
+        f"'{KK_PREFIX}*' and {', '.join(MATH_DATA_SOURCES + INTEGER_DATA_SOURCES)}; pass a custom reward "
         "function as 'module:function'"
     )
 
@@ -86,6 +91,8 @@ def answer_for(data_source: str) -> Callable[[str, Any], Hashable | None] | None
         return kk_answer
     if data_source in MATH_DATA_SOURCES:
         return math_answer
+    if data_source in INTEGER_DATA_SOURCES:
+        return integer_answer
     return None
 
 

@@ -1,6 +1,7 @@
 """The calc problems: large operands of the asked digits, held out by operand set, answers checked by
 the calculator from the expression text, graded by the math reward under data source 'calc'."""
 
+import random
 import re
 import subprocess
 import sys
@@ -43,13 +44,34 @@ def test_rows_hold_out_operand_sets_and_answer_right():
             calc.generate(1, 1, **bad)
 
 
-def test_the_registry_grades_calc_with_the_math_reward():
+def test_the_registry_grades_calc_with_the_integer_reward():
     [row], _ = calc.generate(1, 1, seed=0)
     truth = row["reward_model"]["ground_truth"]
     prompt = "<|im_start|>user\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
     assert compute_score("calc", prompt + f"It is \\boxed{{{truth}}}.", truth) == 1.0
     assert compute_score("calc", prompt + f"It is \\boxed{{{int(truth) + 1}}}.", truth) == 0.0
     assert row["prompt"][2]["content"].endswith("\\boxed{413}.")
+
+
+@pytest.mark.parametrize("source", ["calc", "arith"])
+def test_an_expression_equal_to_the_answer_is_no_answer(source):
+    """The answers GRPO learned on calc (seed 1, 2026-12-07: the question restated in the box, which
+    math-verify called equal) score 0; an integer written out scores 1 exactly when it is the value,
+    checked against Python's integers on random problems, with signs, spaces and thousands commas."""
+    rng = random.Random(0)
+    for restated, value in (("79680 * 8001", 637519680), ("572755 + 2150 + 286981", 861886),
+                            ("2273 * (35976 + 3570)", 89888058), ("7692 * 8643 - 598771", 65883185)):
+        assert compute_score(source, f"\\boxed{{{restated}}}", str(value)) == 0.0
+        assert compute_score(source, f"\\boxed{{{value}}}", str(value)) == 1.0
+    for _ in range(300):
+        value = rng.randint(-10**9, 10**9)
+        guess = value + rng.choice([0, 0, 1, -1, 10, rng.randint(-10**6, 10**6)])
+        written = rng.choice([str(guess), f"{guess:,}", f" {guess} ", f"{guess}.0", f"{guess}/1", f"+{guess}"])
+        plain = re.fullmatch(r" ?-?\d+ ?|-?\d{1,3}(,\d{3})*", written) is not None
+        want = 1.0 if plain and guess == value else 0.0
+        assert compute_score(source, f"So \\boxed{{{written}}}.", str(value)) == want, (written, value)
+    assert compute_score(source, "\\boxed{1,23}", "123") == 0.0  # a comma that groups no thousands
+    assert compute_score(source, "\\boxed{}", "0") == 0.0
 
 
 def test_command_writes_both_splits_and_rejects_bad_options(tmp_path):

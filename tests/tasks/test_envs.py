@@ -211,6 +211,7 @@ def test_calc_episode_scripted():
     wrong = env.step("The answer is \\boxed{437000000}.")
     assert (wrong.done, wrong.reward) == (True, {"answer": 0.0})
     assert env.step("I do not know.").reward == {"answer": 0.0}  # no boxed answer
+    assert env.step("The answer is \\boxed{48213 * 9071}.").reward == {"answer": 0.0}  # the question restated
 
 
 def test_calc_observations_several_calls_caps_and_text_markers():

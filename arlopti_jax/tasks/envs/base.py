@@ -25,11 +25,12 @@ calls included), timeouts, tool seconds, and env_errors (set by the runner when 
 raised or overran: `runner.run_step`).
 
 `ToolEnvironment` is the built-ins' shape: one tool, calls found by `calls.parse_calls`, a turn
-without a call is the final answer, graded by the math reward (``\\boxed{}``, as the single-turn
-tasks are). Its parameters: the call format (``call_style``, ``call_open``, ``call_close``),
-``max_calls_per_turn`` (later calls in the turn are answered with an error), ``max_observation_chars``
-(longer observations are cut, with a marker saying how much), ``tool_error_penalty`` (a reward
-part 'tool_error' of minus this per failed call; default 0) and ``grading_timeout_s``.
+without a call is the final answer, graded by ``grade`` (the math reward by default: ``\\boxed{}``, as
+the single-turn tasks are; ``calc``'s is the integer reward, as its data source's). Its parameters:
+the call format (``call_style``, ``call_open``, ``call_close``), ``max_calls_per_turn`` (later calls
+in the turn are answered with an error), ``max_observation_chars`` (longer observations are cut,
+with a marker saying how much), ``tool_error_penalty`` (a reward part 'tool_error' of minus this per
+failed call; default 0) and ``grading_timeout_s``.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ class ToolEnvironment(Environment):
     def run_tool(self, argument: str) -> ToolResult:
         """The tool on its one argument."""
 
+    def grade(self, answer: str) -> float:
+        """The final answer's score: 1 for the right ``\\boxed{}`` answer (``math_reward``), else 0."""
+        return compute_math_score(answer, self.truth, timeout_s=self.grading_timeout_s)
+
     def reset(self, problem: dict) -> str | None:
         self.truth = ground_truth(problem)
         return None
@@ -154,8 +159,7 @@ class ToolEnvironment(Environment):
     def step(self, action: str) -> Step:
         calls = parse_calls(action, self.format, {self.tool_name: self.argument})
         if not calls:
-            score = compute_math_score(action, self.truth, timeout_s=self.grading_timeout_s)
-            return Step(None, {"answer": float(score)}, True, dict.fromkeys(INFO_COUNTS, 0))
+            return Step(None, {"answer": float(self.grade(action))}, True, dict.fromkeys(INFO_COUNTS, 0))
         results = [self._answer(call, i) for i, call in enumerate(calls)]
         errors = sum(not r.ok for r in results)
         info = {"tool_calls": len(calls), "tool_errors": errors, "tool_timeouts": sum(r.timed_out for r in results),

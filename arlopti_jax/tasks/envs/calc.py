@@ -5,15 +5,17 @@
 
 The tool is ``calculator`` with one string argument ``expression`` (`tools.calculator`: exact
 rational arithmetic, + - * / // % ** and parentheses); its observation is the value, or
-``Error: REASON``. A turn without a call is the final answer, graded like the ``calc`` data
-source is in the reward registry (the math reward: 1 for the right ``\\boxed{}`` answer, else 0),
-so the same problems trained without the tool score the same way. Parameters: those of
+``Error: REASON``. A turn without a call is the final answer, graded as the ``calc`` data source
+is in the reward registry (``math_reward.compute_integer_score``: 1 for the right integer written
+out in ``\\boxed{}``, never an expression equal to it), so the same problems trained without the
+tool score the same way. Parameters: those of
 `base.ToolEnvironment`, and ``max_digits`` (the calculator's bound on a number's digits).
 """
 
 from __future__ import annotations
 
 from arlopti_jax.tasks.envs.base import ToolEnvironment
+from arlopti_jax.tasks.math_reward import compute_integer_score
 from arlopti_jax.tasks.tools.calculator import CalculatorLimits, calculate
 from arlopti_jax.tasks.tools.result import ToolResult
 
@@ -30,3 +32,6 @@ class CalcEnvironment(ToolEnvironment):
 
     def run_tool(self, argument: str) -> ToolResult:
         return calculate(argument, self.limits)
+
+    def grade(self, answer: str) -> float:
+        return compute_integer_score(answer, self.truth)
